@@ -1,0 +1,104 @@
+"""The structured-config schema of ``conf/``: Hydra checks every override against it at compose time.
+
+``conf/config.yaml`` lists ``hookexp_schema`` first in its defaults, so the composed config is typed:
+``trainer.epoch=3`` (a misspelled key) or ``trainer.epochs=abc`` (a wrong type) fail before anything
+runs, with Hydra's message naming the key. ``model``, ``optim`` and ``data.dataset`` are ``_target_``
+mappings for ``hydra.utils.instantiate``; their arguments are checked when instantiated, and a wrong
+one is reported by :mod:`hookexp.train` with the constructor's real parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional  # noqa: UP035 - OmegaConf needs typing.Optional/List/Dict
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class HookSpecConfig:
+    """``hooks.<name>``: one hook spec (see hookexp.specs.HookSpec for the meaning of each field)."""
+
+    target: str = MISSING
+    kind: str = MISSING
+    transform: Any = "identity"
+    args: dict[str, Any] = field(default_factory=dict)
+    enabled: bool = True
+    every: int = 1
+    start_step: int = 0
+    end_step: Optional[int] = None  # noqa: UP045
+    phase: str = "train"
+    types: Optional[list[str]] = None  # noqa: UP045
+    exclude: list[str] = field(default_factory=list)
+    optional: bool = False
+    index: Optional[int] = None  # noqa: UP045
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    channels: int = MISSING
+    image_size: int = MISSING
+    num_classes: int = MISSING
+    batch_size: int = 64
+    eval_batch_size: int = 512
+    dataset: dict[str, Any] = MISSING  # {_target_: hookexp.data.digits, ...}
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    progress: bool = True  # a tqdm progress bar on stderr
+    save_records: bool = True  # write what `record` transforms kept to records/<spec>.pt
+
+
+@dataclass
+class StatsConfig:
+    every: int = 10  # log step period: metrics, gradient statistics and hook effects
+    grads: Optional[str] = "*"  # noqa: UP045 - parameters to describe (target grammar); null: none
+    activations: Optional[str] = None  # noqa: UP045 - modules whose outputs to describe; null: none
+    hist_bins: int = 0  # >0: a gradient histogram per parameter on log steps
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "wandb"  # wandb | none (local files are always written)
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "hookexp"
+    entity: Optional[str] = None  # noqa: UP045
+    group: Optional[str] = None  # noqa: UP045
+    job_type: str = "train"
+    name: Optional[str] = None  # noqa: UP045
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReproConfig:
+    deterministic: bool = False
+
+
+@dataclass
+class HookexpConfig:
+    seed: int = 0
+    model: dict[str, Any] = MISSING
+    data: DataConfig = MISSING
+    optim: dict[str, Any] = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    hooks: dict[str, HookSpecConfig] = field(default_factory=dict)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    repro: ReproConfig = field(default_factory=ReproConfig)
+
+
+# Keys that may be added on the command line with `+key=value` (they are not part of the schema).
+EXTRA_KEYS = {"dry_run": "validate the hooks on one batch, print the table, and exit without training"}
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="hookexp_schema", node=HookexpConfig)
+
+
+register_configs()

@@ -1,0 +1,72 @@
+"""Every error hookexp raises on purpose, in one module.
+
+A researcher who mistypes a config should get one paragraph that names the spec, the config key
+that is wrong and the fix, never a traceback from deep inside torch. So every error here carries
+the spec name and the config key it is about, and the message is built once, here, in one format:
+
+    hooks.<spec>.<field>: <what is wrong>. <how to fix it>
+
+The classes also subclass the matching builtin (ValueError, TypeError, RuntimeError) so generic
+``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, candidates: Iterable[str], n: int = 3) -> str:
+    """``" Did you mean 'x' or 'y'?"`` for the closest candidates, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(word), sorted(set(candidates)), n=n, cutoff=0.5)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+def config_key(spec: str | None, field: str | None = None, root: str = "hooks") -> str:
+    """The dotted config key a message is about, e.g. ``hooks.clamp_conv.target``."""
+    parts = [root] + ([spec] if spec else []) + ([field] if field else [])
+    return ".".join(parts)
+
+
+class HookexpError(Exception):
+    """Base class of every error hookexp raises deliberately."""
+
+    def __init__(self, message: str, *, spec: str | None = None, field: str | None = None):
+        self.spec = spec
+        self.field = field
+        self.key = config_key(spec, field) if spec is not None else None
+        super().__init__(f"{self.key}: {message}" if self.key else message)
+
+
+class SpecError(HookexpError, ValueError):
+    """A hook spec is malformed: unknown field, wrong type, unknown kind, transform or phase."""
+
+
+class TargetError(SpecError):
+    """A spec's target matches nothing, or matches objects the kind cannot attach to."""
+
+
+class TransformArgsError(SpecError, TypeError):
+    """A transform was given arguments it does not take, or lacks required ones."""
+
+
+class HookCompatibilityError(SpecError):
+    """A kind cannot work on what the target resolved to (no grad, no optimizer, no grad_fn, ...)."""
+
+
+class TransformOutputError(HookexpError, RuntimeError):
+    """A transform returned a tensor of another shape, dtype or device, or modified its input in place."""
+
+
+class HookRuntimeError(HookexpError, RuntimeError):
+    """A transform raised while training; names the spec, the target and the step."""
+
+
+class ConfigError(HookexpError):
+    """A run configuration (outside the hooks) cannot be used; names the key and the fix."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key

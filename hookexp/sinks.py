@@ -1,0 +1,123 @@
+"""Where metrics go: always local files in the run directory, and W&B when configured.
+
+Every sink gets the same dict for the same step, so ``metrics.jsonl`` and the W&B history hold the
+same numbers. ``wandb`` is imported only by :class:`WandbSink`, only when it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("hookexp.sinks")
+
+STEP_KEY = "trainer/step"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf": JSON has no literal for them
+    return value
+
+
+class Sink(Protocol):
+    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None: ...
+
+    def finish(self, summary: Mapping[str, Any], failed: bool) -> None: ...
+
+
+class LocalFiles:
+    """``metrics.jsonl`` (one line per log call, flushed) and ``summary.json`` in the run directory."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self._file = self.metrics_path.open("a", encoding="utf-8")
+
+    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None:
+        row = {STEP_KEY: step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
+        self._file.close()
+        data = {k: _jsonable(v) for k, v in summary.items()}
+        (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+class WandbSink:
+    """One W&B run per job. ``mode=offline`` writes it under ``<run_dir>/wandb``; an unreachable
+    server in ``online`` mode falls back to offline with one warning instead of killing training."""
+
+    def __init__(self, run_dir: Path, cfg: Mapping[str, Any], config: dict[str, Any], tags: list[str],
+                 hooks_table: list[dict[str, Any]]):
+        import wandb
+
+        self._wandb = wandb
+        kwargs = dict(
+            project=cfg.get("project") or "hookexp", entity=cfg.get("entity"), group=cfg.get("group"),
+            job_type=cfg.get("job_type"), name=cfg.get("name"), tags=tags, config=config,
+            dir=str(run_dir), reinit="finish_previous",
+        )
+        mode = cfg.get("mode", "offline")
+        try:
+            self.run = wandb.init(mode=mode, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure to reach a server must not kill training
+            if mode != "online":
+                raise
+            warnings.warn(f"W&B online init failed ({type(e).__name__}: {e}); logging offline under {run_dir}/wandb "
+                          "instead. Upload later with `wandb sync`.", RuntimeWarning, stacklevel=2)
+            self.run = wandb.init(mode="offline", **kwargs)
+        self.run.define_metric(STEP_KEY)
+        self.run.define_metric("*", step_metric=STEP_KEY)
+        if hooks_table:
+            columns = ["spec", "kind", "transform", "args", "enabled", "targets"]
+            rows = [[r["spec"], r["kind"], r["transform"], json.dumps(r["args"]), r["enabled"],
+                     ", ".join(r["targets"])] for r in hooks_table]
+            self.run.log({"hooks/table": wandb.Table(columns=columns, data=rows)}, commit=False)
+
+    @property
+    def run_path(self) -> str:
+        return str(Path(self.run.dir).parent)
+
+    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None:
+        self.run.log({STEP_KEY: step, **metrics, **(extra or {})})
+
+    def histogram(self, counts: list[float], lo: float, hi: float) -> Any:
+        import numpy as np
+
+        edges = np.linspace(lo, hi, len(counts) + 1) if hi > lo else np.linspace(lo - 0.5, lo + 0.5, len(counts) + 1)
+        return self._wandb.Histogram(np_histogram=(np.asarray(counts), edges))
+
+    def log_image(self, key: str, path: Path) -> None:
+        self.run.log({key: self._wandb.Image(str(path))})
+
+    def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
+        for k, v in summary.items():
+            self.run.summary[k] = v
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class Sinks:
+    """Fan-out to every sink; a sink that fails to finish does not stop the others."""
+
+    def __init__(self, local: LocalFiles, wandb_sink: WandbSink | None):
+        self.local = local
+        self.wandb = wandb_sink
+
+    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None:
+        self.local.log(metrics, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step, extra)
+
+    def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
+        try:
+            self.local.finish(summary, failed)
+        finally:
+            if self.wandb is not None:
+                self.wandb.finish(summary, failed)

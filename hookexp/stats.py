@@ -1,0 +1,146 @@
+"""Gradient and activation statistics, computed batched and only on log steps.
+
+Gradients: every matched parameter's ``.grad`` is flattened into one buffer once, and each statistic
+is one segment reduction over it (``index_add_`` / ``scatter_reduce_``), so the cost is a handful of
+kernels whatever the number of parameters, and the result is one ``[P, S]`` tensor that crosses to
+the host in a single transfer. Nothing here runs, and nothing syncs, on steps that do not log.
+
+Activations: forward hooks that exist only during log steps (``begin`` attaches, ``end`` removes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookexp.specs import HookSpec
+from hookexp.targets import resolve
+
+GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
+ACT_STATS = ("mean", "std", "frac_zero")
+
+
+def _match(model: nn.Module, pattern: str, what: str, key: str) -> list[tuple[str, Any]]:
+    spec = HookSpec(name=key, target=pattern, kind="grad" if what == "parameter" else "forward")
+    return [(t.name, t.obj) for t in resolve(model, spec, what)]  # type: ignore[arg-type]
+
+
+@dataclass
+class GradStatsResult:
+    """Statistics of one log step, on the host."""
+
+    names: list[str]
+    values: list[list[float]]  # [P][len(GRAD_STATS)]
+    global_norm: float
+    hist: list[list[float]] | None = None  # [P][bins]
+    hist_range: list[tuple[float, float]] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"grad/{n}/{s}": v for n, row in zip(self.names, self.values, strict=True)
+               for s, v in zip(GRAD_STATS, row, strict=True)}
+        out["grad/global_norm"] = self.global_norm
+        return out
+
+
+class GradStats:
+    """Statistics of the gradients of the parameters ``pattern`` matches (target grammar)."""
+
+    def __init__(self, model: nn.Module, pattern: str | None = "*", hist_bins: int = 0):
+        matched = _match(model, pattern, "parameter", "stats.grads") if pattern else []
+        self.named = [(n, p) for n, p in matched if p.requires_grad]
+        self.hist_bins = hist_bins
+        self._seg_cache: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def _segments(self, sizes: list[int], device: torch.device) -> torch.Tensor:
+        key = (tuple(sizes), str(device))
+        seg = self._seg_cache.get(key)
+        if seg is None:
+            seg = torch.repeat_interleave(torch.arange(len(sizes), device=device),
+                                          torch.tensor(sizes, device=device))
+            self._seg_cache[key] = seg
+        return seg
+
+    @torch.no_grad()
+    def compute(self) -> GradStatsResult | None:
+        """Describe the current ``.grad`` of every matched parameter (parameters without one are skipped)."""
+        present = [(n, p.grad) for n, p in self.named if p.grad is not None]
+        if not present:
+            return None
+        names = [n for n, _ in present]
+        grads = [g for _, g in present]
+        device = grads[0].device
+        flat = torch.cat([g.detach().reshape(-1).to(device=device, dtype=torch.float32) for g in grads])
+        sizes = [g.numel() for g in grads]
+        seg = self._segments(sizes, device)
+        n_params = len(grads)
+        count = torch.tensor(sizes, device=device, dtype=torch.float32)
+
+        def seg_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(n_params, device=device).index_add_(0, seg, values)
+
+        sumsq = seg_sum(flat * flat)
+        mean = seg_sum(flat) / count
+        centered = flat - mean[seg]
+        std = (seg_sum(centered * centered) / (count - 1)).sqrt()  # unbiased, as Tensor.std()
+        mins = torch.full((n_params,), float("inf"), device=device).scatter_reduce_(0, seg, flat, "amin")
+        maxs = torch.full((n_params,), float("-inf"), device=device).scatter_reduce_(0, seg, flat, "amax")
+        frac_zero = seg_sum((flat == 0).float()) / count
+        frac_neg = seg_sum((flat < 0).float()) / count
+        table = torch.stack([sumsq.sqrt(), mean, std, mins, maxs, frac_zero, frac_neg], dim=1)
+        parts = [table.reshape(-1), sumsq.sum().sqrt().reshape(1)]
+        if self.hist_bins > 0:
+            bins = self.hist_bins
+            lo, hi = mins[seg], maxs[seg]
+            width = (hi - lo).clamp_min(1e-30)
+            idx = ((flat - lo) / width * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
+            hist = torch.zeros(n_params * bins, device=device).index_add_(0, seg * bins + idx,
+                                                                        torch.ones_like(flat))
+            parts.append(hist)
+        host = torch.cat(parts).tolist()  # the one device-to-host transfer of this log step
+        n_stats = len(GRAD_STATS)
+        values = [host[i * n_stats:(i + 1) * n_stats] for i in range(n_params)]
+        global_norm = host[n_params * n_stats]
+        result = GradStatsResult(names, values, global_norm)
+        if self.hist_bins > 0:
+            start = n_params * n_stats + 1
+            result.hist = [host[start + i * self.hist_bins:start + (i + 1) * self.hist_bins]
+                           for i in range(n_params)]
+            result.hist_range = [(row[3], row[4]) for row in values]
+        return result
+
+
+class ActivationStats:
+    """Mean, std and fraction of zeros of the outputs of matched modules, on log steps only."""
+
+    def __init__(self, model: nn.Module, pattern: str | None):
+        self.named = _match(model, pattern, "module", "stats.activations") if pattern else []
+        self._handles: list[Any] = []
+        self._rows: dict[str, torch.Tensor] = {}
+
+    def begin(self) -> None:
+        """Attach the forward hooks for one log step."""
+        for name, module in self.named:
+            self._handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                with torch.no_grad():
+                    x = output.detach().float()
+                    self._rows[name] = torch.stack([x.mean(), x.std(), (x == 0).float().mean()])
+        return hook
+
+    def end(self) -> dict[str, float]:
+        """Remove the hooks and return ``act/<module>/<stat>`` (one transfer)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if not self._rows:
+            return {}
+        names = list(self._rows)
+        host = torch.stack([self._rows[n] for n in names]).tolist()
+        self._rows.clear()
+        return {f"act/{n}/{s}": v for n, row in zip(names, host, strict=True) for s, v in zip(ACT_STATS, row, strict=True)}

@@ -1,0 +1,171 @@
+"""Target resolution: one grammar for every kind, over ``named_modules()`` / ``named_parameters()``.
+
+Grammar (``HookSpec.target`` and each entry of ``exclude``):
+
+- an exact name: ``conv``, ``fc1.bias``, ``""`` (the root module);
+- a glob, when the pattern has ``*``, ``?`` or ``[``: ``layer*.conv?``, ``*.bias`` (``*`` also crosses dots);
+- a regular expression with the prefix ``re:``, matched with ``re.search``: ``re:^blocks\\.\\d+\\.attn$``.
+
+``types`` narrows to modules whose class (or a base class) has one of the given names; for parameter
+kinds it narrows to parameters owned by such modules. Shared modules and tied parameters resolve once
+(the first name ``named_modules()`` gives is canonical, the others are kept as ``aliases`` so that
+reports say so), because torch fires their hooks once per call, not once per name.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from hookexp.errors import SpecError, TargetError, did_you_mean
+from hookexp.specs import HookSpec
+
+TargetKind = Literal["module", "parameter"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved target: its canonical name, the object, and its other names (shared/tied)."""
+
+    name: str
+    obj: nn.Module | torch.Tensor
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+def compile_pattern(pattern: str, *, spec: str | None = None, field: str = "target") -> Callable[[str], bool]:
+    """A predicate on names for one pattern of the grammar."""
+    if pattern.startswith("re:"):
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise SpecError(
+                f"invalid regular expression {pattern[3:]!r}: {e}. Patterns with 're:' use Python's re "
+                "syntax; escape dots as '\\.'.",
+                spec=spec,
+                field=field,
+            ) from None
+        return lambda name: rx.search(name) is not None
+    if any(c in pattern for c in "*?["):
+        return lambda name: fnmatch.fnmatchcase(name, pattern)
+    return lambda name: name == pattern
+
+
+def _grouped(named: Iterable[tuple[str, object]]) -> list[Target]:
+    """Group names by object identity, keeping torch's order: shared/tied objects become one Target."""
+    order: list[int] = []
+    names: dict[int, list[str]] = {}
+    objs: dict[int, object] = {}
+    for name, obj in named:
+        key = id(obj)
+        if key not in names:
+            order.append(key)
+            names[key] = []
+            objs[key] = obj
+        names[key].append(name)
+    return [Target(names[k][0], objs[k], tuple(names[k][1:])) for k in order]  # type: ignore[arg-type]
+
+
+def module_targets(model: nn.Module) -> list[Target]:
+    return _grouped(model.named_modules(remove_duplicate=False))
+
+
+def parameter_targets(model: nn.Module) -> list[Target]:
+    return _grouped(model.named_parameters(remove_duplicate=False))
+
+
+def _class_names(cls: type) -> set[str]:
+    out: set[str] = set()
+    for c in cls.__mro__:
+        out.add(c.__name__)
+        out.add(f"{c.__module__}.{c.__qualname__}")
+    return out
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    owner_name = param_name.rpartition(".")[0]
+    return model.get_submodule(owner_name) if owner_name else model
+
+
+def resolve(model: nn.Module, spec: HookSpec, what: TargetKind) -> list[Target]:
+    """The targets ``spec`` names in ``model``; raises :class:`TargetError` when it names nothing.
+
+    ``what`` says whether the spec's kind attaches to modules or to parameters.
+    """
+    candidates = module_targets(model) if what == "module" else parameter_targets(model)
+    match = compile_pattern(spec.target, spec=spec.name)
+    found = [t for t in candidates if any(match(n) for n in t.names)]
+
+    if spec.types:
+        present: set[str] = set()
+        for m in model.modules():
+            present |= _class_names(type(m))
+        for t in spec.types:
+            if t not in present:
+                simple = sorted({n for n in present if "." not in n})
+                raise TargetError(
+                    f"type {t!r} is not the class of any module in {type(model).__name__}."
+                    f"{did_you_mean(t, simple)} Classes present: {', '.join(simple)}.",
+                    spec=spec.name,
+                    field="types",
+                )
+        wanted = set(spec.types)
+
+        def owner_class(t: Target) -> type:
+            return type(t.obj) if what == "module" else type(_owner(model, t.name))
+
+        found = [t for t in found if _class_names(owner_class(t)) & wanted]
+
+    for i, pattern in enumerate(spec.exclude):
+        drop = compile_pattern(pattern, spec=spec.name, field=f"exclude[{i}]")
+        found = [t for t in found if not any(drop(n) for n in t.names)]
+
+    if not found and not spec.optional:
+        raise TargetError(_nothing_matched(model, spec, what), spec=spec.name, field="target")
+    return found
+
+
+def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind) -> str:
+    own = [n for t in (module_targets(model) if what == "module" else parameter_targets(model)) for n in t.names]
+    other_what: TargetKind = "parameter" if what == "module" else "module"
+    other = [n for t in (parameter_targets(model) if what == "module" else module_targets(model)) for n in t.names]
+    model_name = type(model).__name__
+    kind_note = f"kind {spec.kind!r} attaches to {what}s"
+    narrowing = []
+    if spec.types:
+        narrowing.append(f"types {list(spec.types)}")
+    if spec.exclude:
+        narrowing.append(f"exclude {list(spec.exclude)}")
+    narrowed = f" after narrowing by {' and '.join(narrowing)}" if narrowing else ""
+
+    other_match = compile_pattern(spec.target, spec=spec.name)
+    hits = [n for n in other if other_match(n)]
+    if hits and not narrowing:
+        if what == "module":
+            fix = (
+                f"{spec.target!r} names {other_what}s ({', '.join(hits[:4])}). Use a parameter kind "
+                "(grad, post_accumulate, pre_step) for parameters, or target the owning module."
+            )
+        else:
+            fix = (
+                f"{spec.target!r} names {other_what}s ({', '.join(hits[:4])}). Target their parameters, "
+                f"e.g. '{hits[0]}.*' or '{hits[0]}.weight'" if hits[0] else "e.g. '*.weight'"
+            ) + ", or use a module kind (forward, output_grad, backward, ...)."
+        return f"target {spec.target!r} matches no {what} of {model_name} ({kind_note}). {fix}"
+    names = [n for n in own if n]
+    hint = did_you_mean(spec.target.removeprefix("re:"), names)
+    listing = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    return (
+        f"target {spec.target!r} matches no {what} of {model_name}{narrowed} ({kind_note}).{hint} "
+        f"Its {what}s are: {listing}. Fix the name, use a glob ('*.bias') or 're:' pattern, "
+        "or set optional: true if the spec may match nothing."
+    )

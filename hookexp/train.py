@@ -1,0 +1,261 @@
+"""The training loop: build from the config, attach the hooks, train, evaluate, log.
+
+Read it top to bottom: :func:`train` is the whole run. The loop does nothing extra on steps that do
+not log: hook effects, gradient and activation statistics run, and the host syncs, only on every
+``stats.every``-th step (and the last). ``trainer/step`` in every record is the 0-based index of
+the optimizer step whose gradients are described; val metrics are measured after that step's update.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from hookexp.engine import HookHandle, attach
+from hookexp.errors import ConfigError, HookCompatibilityError, did_you_mean
+from hookexp.manifest import build_manifest, write_json
+from hookexp.sinks import LocalFiles, Sinks, WandbSink
+from hookexp.stats import ActivationStats, GradStats
+
+log = logging.getLogger("hookexp.train")
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch; optionally make torch pick deterministic algorithms only."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"{e}. Use auto, cpu, cuda, cuda:N or mps.", key="trainer.device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA is not available on this machine. Use trainer.device=auto or cpu.",
+                          key="trainer.device")
+    return device
+
+
+def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` with a one-paragraph error naming the key and the real parameters."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as e:
+        target = node.get("_target_", "?")
+        cause = e.__cause__ or e
+        hint = ""
+        try:
+            params = [p for p in inspect.signature(get_class(target)).parameters if p not in ("self", "params")]
+            bad = [k for k in node if not str(k).startswith("_") and k not in params]
+            if bad:
+                hint = f"{did_you_mean(str(bad[0]), params)} Its parameters: {', '.join(params)}."
+        except Exception:  # noqa: BLE001 - the hint is a courtesy; the cause is reported anyway
+            pass
+        raise ConfigError(f"could not build {target}: {type(cause).__name__}: {cause}.{hint}", key=key) from None
+
+
+def explain_torch_error(exc: BaseException, hooks: HookHandle) -> Exception | None:
+    """Turn torch's error for in-place ops around full backward hooks into one that names the spec."""
+    text = str(exc)
+    if "BackwardHookFunctionBackward" in text and "inplace" in text.replace("-", ""):
+        names = [b.spec.name for b in hooks.bindings if b.spec.kind in ("backward", "backward_pre") and b.spec.enabled]
+        return HookCompatibilityError(
+            f"an in-place op modified the input or output of a module with a full backward hook (spec(s) "
+            f"{', '.join(names) or '?'}), which torch forbids. Use kind 'output_grad' or 'node' for these "
+            "targets, or make the in-place op out of place (e.g. nn.ReLU(inplace=False)).",
+            spec=names[0] if len(names) == 1 else None,
+        )
+    return None
+
+
+def evaluate(model: torch.nn.Module, loader: Any, device: torch.device) -> dict[str, float]:
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    seen = 0
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            loss_sum += F.cross_entropy(logits, y, reduction="sum")
+            correct += (logits.argmax(dim=1) == y).sum()
+            seen += len(y)
+    model.train()
+    loss, acc = torch.stack([loss_sum / seen, correct.float() / seen]).tolist()
+    return {"val/loss": loss, "val/acc": acc}
+
+
+def train(cfg: DictConfig, run_dir: Path, on_ready: Callable[[HookHandle], None] | None = None) -> dict[str, Any]:
+    """Run one training job described by ``cfg`` and write its files into ``run_dir``.
+
+    Returns the summary (final and best metrics). ``on_ready`` is called with the hook handle once
+    everything is built (the dry run uses it).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    seed_everything(cfg.seed, cfg.repro.deterministic)
+    device = pick_device(cfg.trainer.device)
+
+    # -- build: data, model, optimizer -------------------------------------------------------------
+    splits = build(cfg.data.dataset, "data.dataset")
+    train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size)
+    model = build(cfg.model, "model").to(device)
+    optimizer = build(cfg.optim, "optim")(params=model.parameters())
+    steps_per_epoch = len(train_loader)
+    total_steps = cfg.trainer.epochs * steps_per_epoch
+    if cfg.trainer.max_steps is not None:
+        total_steps = min(total_steps, cfg.trainer.max_steps)
+    if total_steps < 1:
+        raise ConfigError("the run would take no step; set trainer.epochs or trainer.max_steps to at least 1.",
+                          key="trainer")
+
+    # -- hooks and statistics: every spec is checked here, before any training -----------------------
+    hook_specs = OmegaConf.to_container(cfg.hooks, resolve=True)
+    hooks = attach(model, hook_specs, optimizer, measure=False)
+    every = cfg.stats.every
+    if every < 1:
+        hooks.remove()
+        raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
+    grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
+    act_stats = ActivationStats(model, cfg.stats.activations)
+    if on_ready is not None:
+        on_ready(hooks)
+
+    # -- outputs: manifest first, so that even a failed run says what it was --------------------------
+    config = OmegaConf.to_container(cfg, resolve=True)
+    table = hooks.table()
+    write_json(run_dir / "manifest.json", build_manifest(config, table, cfg.seed, Path.cwd()))
+    local = LocalFiles(run_dir)
+    wandb_sink = None
+    if cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
+        tags = list(cfg.logger.tags) + [b.spec.name for b in hooks.bindings if b.spec.enabled]
+        wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, table)
+    sinks = Sinks(local, wandb_sink)
+
+    # Gradient statistics see the final .grad right before the update: registered after attach(), this
+    # optimizer pre-hook runs after the pre_step specs. It works only when the step logs.
+    captured: dict[str, Any] = {}
+
+    def capture_grad_stats(opt: Any, args: Any, kwargs: Any) -> None:
+        if captured.get("now"):
+            captured["grads"] = grad_stats.compute()
+
+    stats_handle = optimizer.register_step_pre_hook(capture_grad_stats)
+
+    summary: dict[str, Any] = {}
+    failed = True
+    step = 0
+    best_acc = float("-inf")
+    try:
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), device=device, dtype=torch.long)
+        seen = batches = 0
+        last_log_time, last_log_step = time.perf_counter(), 0
+        bar = tqdm(total=total_steps, disable=not cfg.trainer.progress, desc="train", unit="step", leave=False)
+        model.train()
+        epoch = 0
+        while step < total_steps:
+            for x, y in train_loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                log_now = step % every == 0 or step == total_steps - 1
+                hooks.measuring = captured["now"] = log_now
+                if log_now:
+                    act_stats.begin()
+
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                optimizer.zero_grad(set_to_none=True)
+                try:
+                    loss.backward()
+                except RuntimeError as e:
+                    raise (explain_torch_error(e, hooks) or e) from e
+                optimizer.step()
+
+                loss_sum += loss.detach()
+                correct += (logits.detach().argmax(dim=1) == y).sum()
+                seen += len(y)
+                batches += 1
+                if log_now:
+                    metrics = act_stats.end()
+                    loss_v, acc_v = torch.stack([loss_sum / batches, correct.float() / seen]).tolist()
+                    now = time.perf_counter()
+                    metrics.update({"train/loss": loss_v, "train/acc": acc_v, "epoch": epoch,
+                                    "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1)})
+                    last_log_time, last_log_step = now, step + 1
+                    grads = captured.pop("grads", None)
+                    extra: dict[str, Any] = {}
+                    if grads is not None:
+                        metrics.update(grads.metrics())
+                        if grads.hist is not None and wandb_sink is not None:
+                            extra = {f"grad/{n}/hist": wandb_sink.histogram(h, lo, hi) for n, h, (lo, hi)
+                                     in zip(grads.names, grads.hist, grads.hist_range, strict=True)}
+                    for name, row in hooks.stats(reset=True).items():
+                        metrics.update({f"hook/{name}/{k}": v for k, v in row.items() if k != "targets"})
+                    sinks.log(metrics, step, extra)
+                    summary.update({k: metrics[k] for k in ("train/loss", "train/acc")})
+                    bar.set_postfix(loss=f"{loss_v:.4f}", acc=f"{acc_v:.3f}")
+                    loss_sum.zero_()
+                    correct.zero_()
+                    seen = batches = 0
+                bar.update(1)
+                step += 1
+                if step >= total_steps:
+                    break
+            epoch += 1
+            val = evaluate(model, val_loader, device)
+            best_acc = max(best_acc, val["val/acc"])
+            sinks.log({**val, "epoch": epoch}, step - 1)
+            summary.update(val)
+        bar.close()
+        failed = False
+    finally:
+        stats_handle.remove()
+        hooks.remove()
+        summary.update({
+            "val/acc_best": best_acc if best_acc > float("-inf") else None,
+            "trainer/steps": step, "trainer/epochs": epoch if step else 0, "status": "failed" if failed else "finished",
+            "runtime_s": time.perf_counter() - started,
+            **{f"hook/{b.spec.name}/calls": b.calls for b in hooks.bindings},
+        })
+        if cfg.trainer.save_records:
+            _save_records(hooks, run_dir)
+        sinks.finish(summary, failed)
+    return summary
+
+
+def _save_records(hooks: HookHandle, run_dir: Path) -> None:
+    records = {name: recs for name, recs in hooks.records.items() if recs}
+    if not records:
+        return
+    out = run_dir / "records"
+    out.mkdir(exist_ok=True)
+    for name, recs in records.items():
+        safe = name.replace("/", "_").replace(":", "_")
+        torch.save([{"target": r.target, "step": r.step, "value": r.value, "aux": r.aux} for r in recs],
+                   out / f"{safe}.pt")
