@@ -55,7 +55,6 @@ def _hydra_main(cfg: DictConfig) -> Any:
     try:
         return run(cfg)
     except HookexpError as e:
-        log.error("%s", e)
         if HydraConfig.get().mode == RunMode.RUN:
             print(f"\nhookexp: error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -10,7 +10,7 @@ one is reported by :mod:`hookexp.train` with the constructor's real parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional  # noqa: UP035 - OmegaConf needs typing.Optional/List/Dict
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -99,6 +99,3 @@ EXTRA_KEYS = {"dry_run": "validate the hooks on one batch, print the table, and 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="hookexp_schema", node=HookexpConfig)
-
-
-register_configs()

@@ -48,7 +48,7 @@ class DataSplits:
 
 def _split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, split_seed: int) -> DataSplits:
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(split_seed))
-    n_val = int(round(len(y) * val_fraction))
+    n_val = round(len(y) * val_fraction)
     val_idx, train_idx = perm[:n_val], perm[n_val:]
     return DataSplits(TensorSet(x[train_idx], y[train_idx]), TensorSet(x[val_idx], y[val_idx]))
 

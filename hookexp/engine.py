@@ -331,9 +331,9 @@ class HookHandle:
             if not b.live(None):
                 continue
             key = b.transform.batch_key()
-            if groups and key is not None and groups[-1][0] == key:
-                groups[-1][1].append(entry)
-            elif groups and key is None and groups[-1][1][0].binding is b:
+            same_batch = key is not None and groups and groups[-1][0] == key
+            same_spec = key is None and groups and groups[-1][1][0].binding is b
+            if same_batch or same_spec:
                 groups[-1][1].append(entry)
             else:
                 groups.append((key, [entry]))

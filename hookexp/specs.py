@@ -64,10 +64,7 @@ _REQUIRED = ("target", "kind")
 
 def _check_type(name: str, key: str, value: Any, types: tuple[type, ...], what: str) -> None:
     # bool is an int in Python; a spec that says `every: true` is a typo, not 1.
-    if isinstance(value, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(value, types)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if not ok:
         raise SpecError(f"expected {what}, got {value!r} ({type(value).__name__}).", spec=name, field=key)
 

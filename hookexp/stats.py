@@ -143,4 +143,5 @@ class ActivationStats:
         names = list(self._rows)
         host = torch.stack([self._rows[n] for n in names]).tolist()
         self._rows.clear()
-        return {f"act/{n}/{s}": v for n, row in zip(names, host, strict=True) for s, v in zip(ACT_STATS, row, strict=True)}
+        return {f"act/{n}/{s}": v for n, row in zip(names, host, strict=True)
+                for s, v in zip(ACT_STATS, row, strict=True)}

@@ -140,15 +140,16 @@ def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind) -> str:
     other = [n for t in (parameter_targets(model) if what == "module" else module_targets(model)) for n in t.names]
     model_name = type(model).__name__
     kind_note = f"kind {spec.kind!r} attaches to {what}s"
+    match = compile_pattern(spec.target, spec=spec.name)
     narrowing = []
-    if spec.types:
-        narrowing.append(f"types {list(spec.types)}")
-    if spec.exclude:
-        narrowing.append(f"exclude {list(spec.exclude)}")
+    if any(match(n) for n in own):  # the name matched; types/exclude removed everything
+        if spec.types:
+            narrowing.append(f"types {list(spec.types)}")
+        if spec.exclude:
+            narrowing.append(f"exclude {list(spec.exclude)}")
     narrowed = f" after narrowing by {' and '.join(narrowing)}" if narrowing else ""
 
-    other_match = compile_pattern(spec.target, spec=spec.name)
-    hits = [n for n in other if other_match(n)]
+    hits = [n for n in other if match(n)]
     if hits and not narrowing:
         if what == "module":
             fix = (

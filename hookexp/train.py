@@ -75,7 +75,7 @@ def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
             bad = [k for k in node if not str(k).startswith("_") and k not in params]
             if bad:
                 hint = f"{did_you_mean(str(bad[0]), params)} Its parameters: {', '.join(params)}."
-        except Exception:  # noqa: BLE001 - the hint is a courtesy; the cause is reported anyway
+        except Exception:
             pass
         raise ConfigError(f"could not build {target}: {type(cause).__name__}: {cause}.{hint}", key=key) from None
 

@@ -134,7 +134,8 @@ def record(x: Any, ctx: HookContext, aux: bool = False, max_records: int | None 
     """
     if ctx.records is not None and (max_records is None or len(ctx.records) < max_records):
         ctx.records.append(
-            Record(ctx.spec, ctx.target, ctx.step, detach_copy(x, to_cpu), detach_copy(ctx.aux, to_cpu) if aux else None)
+            Record(ctx.spec, ctx.target, ctx.step, detach_copy(x, to_cpu),
+                   detach_copy(ctx.aux, to_cpu) if aux else None)
         )
     return x
 

@@ -1,0 +1,50 @@
+"""Shared helpers: run ``python -m hookexp`` as a user would, and read a W&B offline run back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m hookexp ARGS`` in ``cwd``; tests/ is on PYTHONPATH for the user transforms."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
+    env.pop("WANDB_MODE", None)
+    return subprocess.run([sys.executable, "-m", "hookexp", "trainer.progress=false", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def wandb_run_dir(run_dir: Path) -> Path:
+    (found,) = (run_dir / "wandb").glob("offline-run-*")
+    return found
+
+
+def wandb_summary(run_dir: Path) -> dict:
+    """The run's state, summary and config as ``wandb leet inspect --summary --json`` prints them."""
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary", "--json",
+                          str(wandb_run_dir(run_dir))], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """Every history row of the run's .wandb log, in order."""
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json",
+                          str(wandb_run_dir(run_dir))], capture_output=True, text=True, timeout=120, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return [r["history"]["item"] for r in rows if r.get("type") == "history"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path

@@ -1,0 +1,118 @@
+"""``python -m hookexp`` as a user runs it: the files it writes and the W&B run, read back by content."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import read_jsonl, run_cli, wandb_history, wandb_summary
+
+
+@pytest.fixture(scope="module")
+def clamp_run(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("cli")
+    done = run_cli(["hooks=clamp_conv", "hydra.run.dir=run"], cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cwd / "run"
+
+
+def test_main_job_trains_and_writes_its_files(clamp_run):
+    summary = json.loads((clamp_run / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["val/acc"] > 0.85
+    assert summary["trainer/steps"] == 230 and summary["trainer/epochs"] == 10
+    assert summary["hook/clamp_conv/calls"] == 2 * 230  # conv1 and conv2, every step
+
+    rows = read_jsonl(clamp_run / "metrics.jsonl")
+    train = [r for r in rows if "train/loss" in r]
+    assert [r["trainer/step"] for r in train] == [*range(0, 230, 10), 229]
+    assert train[-1]["train/loss"] == summary["train/loss"]
+    assert train[-1]["train/loss"] < train[0]["train/loss"]
+    keys = set(train[0])
+    for param in ("conv1.weight", "conv1.bias", "conv2.weight", "fc1.weight", "fc2.bias"):
+        assert {f"grad/{param}/{s}" for s in ("norm", "mean", "std", "min", "max", "frac_zero")} <= keys
+    assert {"grad/global_norm", "hook/clamp_conv/calls", "hook/clamp_conv/frac_changed", "train/acc"} <= keys
+    assert 0 < train[0]["hook/clamp_conv/frac_changed"] < 1
+    val = [r for r in rows if "val/acc" in r]
+    assert len(val) == 10 and val[-1]["val/acc"] == summary["val/acc"]
+
+    manifest = json.loads((clamp_run / "manifest.json").read_text())
+    assert manifest["seed"] == 0 and manifest["config"]["hooks"]["clamp_conv"]["target"] == "conv*"
+    (row,) = manifest["hooks"]
+    assert row["spec"] == "clamp_conv" and row["kind"] == "output_grad" and row["targets"] == ["conv1", "conv2"]
+    assert manifest["versions"]["torch"] and manifest["versions"]["hookexp"] == "0.1.0"
+    assert "hooks=clamp_conv" in manifest["command"]
+
+
+def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
+    run = wandb_summary(clamp_run)
+    assert run["state"] == "finished" and run["exit_code"] == 0
+    assert run["tags"] == ["clamp_conv"]
+    local = json.loads((clamp_run / "summary.json").read_text())
+    assert run["summary"]["train/loss"] == local["train/loss"]
+    assert run["summary"]["val/acc_best"] == local["val/acc_best"]
+    assert run["summary"]["hook/clamp_conv/calls"] == 460
+    assert any(k.startswith("grad/") for k in run["summary"])
+    # the config is logged resolved, as a plain mapping
+    assert run["config"]["model"]["in_channels"] == 1 and run["config"]["hooks"]["clamp_conv"]["kind"] == "output_grad"
+
+    history = wandb_history(clamp_run)
+    rows = read_jsonl(clamp_run / "metrics.jsonl")
+    assert len(history) == len(rows)
+    for local_row, wandb_row in zip(rows, history, strict=True):
+        for key, value in local_row.items():
+            assert wandb_row[key] == value, key
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["hooks=does_not_exist"], ["Could not find 'hooks/does_not_exist'", "Available options in 'hooks'",
+                                    "clamp_conv"]),
+        (["hooks=clamp_conv", "hooks.clamp_conv.target=convv"],
+         ["hookexp: error: hooks.clamp_conv.target: target 'convv' matches no module of SmallCNN",
+          "Did you mean 'conv2' or 'conv1'?", "Its modules are: conv1, relu1, conv2"]),
+        (["hooks=clamp_conv", "hooks.clamp_conv.kind=bakward"],
+         ["hookexp: error: hooks.clamp_conv.kind: unknown kind 'bakward'. Did you mean 'backward'"]),
+        (["hooks=clamp_conv", "hooks.clamp_conv.transform=clampp"],
+         ["hookexp: error: hooks.clamp_conv.transform: unknown transform 'clampp'. Did you mean 'clamp'?"]),
+        (["hooks=clamp_conv", "hooks.clamp_conv.args.mn=0"], ["Could not override 'hooks.clamp_conv.args.mn'"]),
+        (["+dry_ru=true"], ["hookexp: error: dry_ru: unknown top-level key. Did you mean 'dry_run'?"]),
+        (["model.widht=3"], ["Could not override 'model.widht'"]),
+        (["+model.widht=3"], ["hookexp: error: model: could not build hookexp.models.SmallCNN",
+                              "unexpected keyword argument 'widht'", "Did you mean 'width'?"]),
+        (["trainer.device=cuda:7"], ["hookexp: error: trainer.device: CUDA is not available"]),
+    ],
+)
+def test_bad_config_fails_before_training_with_the_fix(args, expected, workdir):
+    done = run_cli([*args, "hydra.run.dir=run"], workdir)
+    assert done.returncode != 0
+    text = done.stderr + done.stdout
+    for piece in expected:
+        assert piece in text, text[-2000:]
+    assert "Traceback" not in text
+    assert not (workdir / "run" / "metrics.jsonl").exists()
+
+
+def test_failure_inside_a_hook_keeps_metrics_and_marks_the_wandb_run_failed(workdir):
+    args = ["hooks=clamp_conv", "hooks.clamp_conv.transform={_target_:user_transforms.explode}",
+            "hooks.clamp_conv.start_step=25", "stats.every=5", "hydra.run.dir=run"]
+    done = run_cli(args, workdir)
+    assert done.returncode == 2
+    assert ("hookexp: error: hooks.clamp_conv.transform: transform 'user_transforms.explode' failed on target "
+            "'conv2' (kind 'output_grad') at step 25: ValueError: boom") in done.stderr
+    run = workdir / "run"
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["trainer/step"] for r in rows if "train/loss" in r] == [0, 5, 10, 15, 20]
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    wb = wandb_summary(run)
+    assert wb["exit_code"] == 1 and wb["state"] != "finished"
+
+
+@pytest.mark.parametrize("args", [["logger=none"], ["logger.mode=disabled"]])
+def test_without_wandb_the_local_files_are_still_written(args, workdir):
+    done = run_cli([*args, "trainer.max_steps=3", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (workdir / "run" / "wandb").exists()
+    assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 2, 2]

@@ -1,0 +1,86 @@
+"""Gradient and activation statistics against plain torch references on known tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hookexp.stats import GRAD_STATS, ActivationStats, GradStats
+
+
+def reference(g: torch.Tensor) -> list[float]:
+    g = g.float()
+    return [g.norm().item(), g.mean().item(), g.std().item(), g.min().item(), g.max().item(),
+            (g == 0).float().mean().item(), (g < 0).float().mean().item()]
+
+
+def model_with_grads(grads: dict[str, torch.Tensor]) -> nn.Module:
+    m = nn.Module()
+    for name, g in grads.items():
+        p = nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        m.register_parameter(name, p)
+    return m
+
+
+def close(a: float, b: float) -> bool:
+    if math.isnan(b):
+        return math.isnan(a)
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_stats_equal_torch_reference(dtype):
+    torch.manual_seed(0)
+    grads = {
+        "w": torch.randn(64, 32).to(dtype),
+        "zeros": torch.zeros(10).to(dtype),
+        "relu_like": torch.randn(100).clamp(min=0).to(dtype),
+        "single": torch.tensor([3.0]).to(dtype),
+    }
+    res = GradStats(model_with_grads(grads), "*", hist_bins=4).compute()
+    assert res.names == list(grads)
+    for name, row in zip(res.names, res.values, strict=True):
+        for stat, got, want in zip(GRAD_STATS, row, reference(grads[name]), strict=True):
+            assert close(got, want), (name, stat, got, want)
+    total = torch.cat([g.float().reshape(-1) for g in grads.values()]).norm().item()
+    assert math.isclose(res.global_norm, total, rel_tol=1e-5)
+    metrics = res.metrics()
+    assert metrics["grad/w/norm"] == res.values[0][0] and "grad/global_norm" in metrics
+    assert [sum(h) for h in res.hist] == [64 * 32, 10, 100, 1]
+    expected = torch.histc(grads["w"].float(), bins=4, min=res.hist_range[0][0], max=res.hist_range[0][1])
+    assert res.hist[0] == expected.tolist()
+
+
+def test_non_finite_grads_are_reported_not_hidden():
+    grads = {"nan": torch.tensor([1.0, float("nan")]), "inf": torch.tensor([1.0, float("inf")])}
+    res = GradStats(model_with_grads(grads), "*").compute()
+    nan_row, inf_row = res.values
+    assert math.isnan(nan_row[0]) and math.isnan(nan_row[1])
+    assert inf_row[0] == math.inf and inf_row[4] == math.inf
+    assert math.isnan(res.global_norm)
+
+
+def test_pattern_and_missing_grads():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    m[0].weight.grad = torch.ones(2, 2)
+    res = GradStats(m, "*.weight").compute()
+    assert res.names == ["0.weight"]  # 1.weight has no grad yet: skipped
+    assert GradStats(m, None).compute() is None
+
+
+def test_activation_stats_only_while_begun():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    acts = ActivationStats(m, "1")
+    x = torch.randn(16, 4)
+    m(x)
+    assert acts.end() == {}
+    acts.begin()
+    out = m(x)
+    got = acts.end()
+    assert not m[1]._forward_hooks
+    assert close(got["act/1/mean"], out.mean().item()) and close(got["act/1/std"], out.std().item())
+    assert close(got["act/1/frac_zero"], (out == 0).float().mean().item())

@@ -1,0 +1,27 @@
+"""User transforms for the tests, importable as `user_transforms` (tests/ is on sys.path)."""
+
+import torch
+
+
+def double(x, ctx, times: int = 2):
+    return x * times
+
+
+def no_ctx(x, offset: float = 1.0):
+    return x + offset
+
+
+def explode(x, ctx, **args):
+    raise ValueError("boom")
+
+
+def in_place(x, ctx):
+    return x.mul_(2)
+
+
+def reshape(x, ctx):
+    return x.reshape(-1)
+
+
+def to_double(x, ctx):
+    return x.to(torch.float64)
