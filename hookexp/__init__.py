@@ -14,6 +14,7 @@ The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`.
 from hookexp.engine import HookHandle, attach
 from hookexp.errors import (
     ConfigError,
+    HookCheckError,
     HookCompatibilityError,
     HookexpError,
     HookRuntimeError,
@@ -25,6 +26,7 @@ from hookexp.errors import (
 from hookexp.kinds import KINDS, register_kind
 from hookexp.specs import HookSpec, parse_specs
 from hookexp.transforms import TRANSFORMS, HookContext, Record, register_transform
+from hookexp.validate import ValidationReport, validate
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,7 @@ __all__ = [
     "KINDS",
     "TRANSFORMS",
     "ConfigError",
+    "HookCheckError",
     "HookCompatibilityError",
     "HookContext",
     "HookHandle",
@@ -43,8 +46,10 @@ __all__ = [
     "TargetError",
     "TransformArgsError",
     "TransformOutputError",
+    "ValidationReport",
     "attach",
     "parse_specs",
     "register_kind",
     "register_transform",
+    "validate",
 ]

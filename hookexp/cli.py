@@ -36,13 +36,11 @@ def check_top_level(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> Any:
     """Run (or dry-run) one job; returns the optimised metric (val/acc) for sweepers."""
-    from hookexp.train import train  # torch is imported only once the config composed
+    from hookexp.train import dry_run, train  # torch is imported only once the config composed
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_top_level(cfg)
     if cfg.get("dry_run"):
-        from hookexp.validate import dry_run
-
         return dry_run(cfg, run_dir)
     summary = train(cfg, run_dir)
     log.info("finished: %s", ", ".join(f"{k}={v:.4f}" for k, v in summary.items()

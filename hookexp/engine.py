@@ -45,6 +45,7 @@ class Clock:
 
     step: int = 0
     measuring: bool = True
+    ignore_schedule: bool = False  # validation: act on every call, whatever the step window says
 
 
 class SpecBinding:
@@ -75,7 +76,7 @@ class SpecBinding:
             return False
         if training is not None and not self.spec.allows_phase(training):
             return False
-        return self.spec.active_at(self.clock.step)
+        return self.clock.ignore_schedule or self.spec.active_at(self.clock.step)
 
     def note(self, target: str, event: str) -> None:
         self.notes.setdefault(target, set()).add(event)
@@ -369,6 +370,21 @@ class HookHandle:
             e.binding.calls_by_target[e.name] += 1
             if before is not None:
                 e.binding.measure(before[i], grads[i])
+
+
+def explain_torch_error(exc: BaseException, hooks: HookHandle) -> Exception | None:
+    """Turn torch's error for in-place ops around full backward hooks into one that names the spec."""
+    text = str(exc)
+    if "BackwardHookFunction" in text and "inplace" in text:
+        names = [b.spec.name for b in hooks.bindings
+                 if b.spec.kind in ("backward", "backward_pre") and b.spec.enabled]
+        return HookCompatibilityError(
+            f"an in-place op modified the input or output of a module with a full backward hook (spec(s) "
+            f"{', '.join(names) or '?'}), which torch forbids. Use kind 'output_grad' or 'node' for these "
+            "targets, or make the in-place op out of place (e.g. nn.ReLU(inplace=False)).",
+            spec=names[0] if len(names) == 1 else None,
+        )
+    return None
 
 
 def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer | None = None, *,

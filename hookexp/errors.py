@@ -64,6 +64,10 @@ class HookRuntimeError(HookexpError, RuntimeError):
     """A transform raised while training; names the spec, the target and the step."""
 
 
+class HookCheckError(HookexpError):
+    """The dry run (``validate``) found hooks that would fail or misbehave in training."""
+
+
 class ConfigError(HookexpError):
     """A run configuration (outside the hooks) cannot be used; names the key and the fix."""
 

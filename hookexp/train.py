@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,12 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from hookexp.engine import HookHandle, attach
-from hookexp.errors import ConfigError, HookCompatibilityError, did_you_mean
+from hookexp.engine import HookHandle, attach, explain_torch_error
+from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.manifest import build_manifest, write_json
 from hookexp.sinks import LocalFiles, Sinks, WandbSink
 from hookexp.stats import ActivationStats, GradStats
+from hookexp.validate import validate
 
 log = logging.getLogger("hookexp.train")
 
@@ -80,20 +81,6 @@ def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
         raise ConfigError(f"could not build {target}: {type(cause).__name__}: {cause}.{hint}", key=key) from None
 
 
-def explain_torch_error(exc: BaseException, hooks: HookHandle) -> Exception | None:
-    """Turn torch's error for in-place ops around full backward hooks into one that names the spec."""
-    text = str(exc)
-    if "BackwardHookFunctionBackward" in text and "inplace" in text.replace("-", ""):
-        names = [b.spec.name for b in hooks.bindings if b.spec.kind in ("backward", "backward_pre") and b.spec.enabled]
-        return HookCompatibilityError(
-            f"an in-place op modified the input or output of a module with a full backward hook (spec(s) "
-            f"{', '.join(names) or '?'}), which torch forbids. Use kind 'output_grad' or 'node' for these "
-            "targets, or make the in-place op out of place (e.g. nn.ReLU(inplace=False)).",
-            spec=names[0] if len(names) == 1 else None,
-        )
-    return None
-
-
 def evaluate(model: torch.nn.Module, loader: Any, device: torch.device) -> dict[str, float]:
     model.eval()
     loss_sum = torch.zeros((), device=device)
@@ -111,29 +98,62 @@ def evaluate(model: torch.nn.Module, loader: Any, device: torch.device) -> dict[
     return {"val/loss": loss, "val/acc": acc}
 
 
-def train(cfg: DictConfig, run_dir: Path, on_ready: Callable[[HookHandle], None] | None = None) -> dict[str, Any]:
-    """Run one training job described by ``cfg`` and write its files into ``run_dir``.
+@dataclass
+class Run:
+    """Everything a job builds from its config before training."""
 
-    Returns the summary (final and best metrics). ``on_ready`` is called with the hook handle once
-    everything is built (the dry run uses it).
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: Any
+    val_loader: Any
+    device: torch.device
+    total_steps: int
+
+
+def build_run(cfg: DictConfig) -> Run:
+    """Seed, then build data, model and optimizer from the config (``hydra.utils.instantiate``)."""
     seed_everything(cfg.seed, cfg.repro.deterministic)
     device = pick_device(cfg.trainer.device)
-
-    # -- build: data, model, optimizer -------------------------------------------------------------
     splits = build(cfg.data.dataset, "data.dataset")
     train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size)
     model = build(cfg.model, "model").to(device)
     optimizer = build(cfg.optim, "optim")(params=model.parameters())
-    steps_per_epoch = len(train_loader)
-    total_steps = cfg.trainer.epochs * steps_per_epoch
+    total_steps = cfg.trainer.epochs * len(train_loader)
     if cfg.trainer.max_steps is not None:
         total_steps = min(total_steps, cfg.trainer.max_steps)
     if total_steps < 1:
         raise ConfigError("the run would take no step; set trainer.epochs or trainer.max_steps to at least 1.",
                           key="trainer")
+    return Run(model, optimizer, train_loader, val_loader, device, total_steps)
+
+
+def dry_run(cfg: DictConfig, run_dir: Path) -> None:
+    """``+dry_run=true``: validate the hooks on one training batch, print the table, train nothing.
+
+    Writes ``dry_run.json`` (the table and errors) to the run directory; a failed check raises
+    :class:`HookCheckError` so the command exits non-zero.
+    """
+    run = build_run(cfg)
+    x, y = next(iter(run.train_loader))
+    specs = OmegaConf.to_container(cfg.hooks, resolve=True)
+    report = validate(run.model, specs, (x.to(run.device), y.to(run.device)), run.optimizer)
+    print(report.render(), flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "dry_run.json", {"ok": report.ok, "hooks": report.rows, "errors": report.errors})
+    if not report.ok:
+        raise HookCheckError(f"the dry run found {len(report.errors)} error(s): {report.errors[0]}")
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Run one training job described by ``cfg`` and write its files into ``run_dir``.
+
+    Returns the summary (final and best metrics).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    run = build_run(cfg)
+    model, optimizer, device, total_steps = run.model, run.optimizer, run.device, run.total_steps
+    train_loader, val_loader = run.train_loader, run.val_loader
 
     # -- hooks and statistics: every spec is checked here, before any training -----------------------
     hook_specs = OmegaConf.to_container(cfg.hooks, resolve=True)
@@ -144,8 +164,6 @@ def train(cfg: DictConfig, run_dir: Path, on_ready: Callable[[HookHandle], None]
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
     act_stats = ActivationStats(model, cfg.stats.activations)
-    if on_ready is not None:
-        on_ready(hooks)
 
     # -- outputs: manifest first, so that even a failed run says what it was --------------------------
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -188,10 +206,10 @@ def train(cfg: DictConfig, run_dir: Path, on_ready: Callable[[HookHandle], None]
                 if log_now:
                     act_stats.begin()
 
-                logits = model(x)
-                loss = F.cross_entropy(logits, y)
-                optimizer.zero_grad(set_to_none=True)
                 try:
+                    logits = model(x)
+                    loss = F.cross_entropy(logits, y)
+                    optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                 except RuntimeError as e:
                     raise (explain_torch_error(e, hooks) or e) from e

@@ -6,5 +6,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
 cd "$root"
-.venv/bin/ruff check hookexp tests benchmarks
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"
