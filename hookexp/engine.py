@@ -65,6 +65,7 @@ class SpecBinding:
         self._calls_at_step_start = 0
         self.records: list[Record] = []
         self.notes: dict[str, set[str]] = {}
+        self.emitted: dict[str, list[torch.Tensor]] = {}  # ctx.emit() measurements since the last stats()
         self._effect_sum: torch.Tensor | None = None  # [sum |y-x|, sum cos(x, y), elements changed]
         self._effect_tensors = 0
         self._effect_numel = 0
@@ -86,7 +87,7 @@ class SpecBinding:
         self.calls += 1
         self.calls_by_target[target] += 1
         ctx = HookContext(self.spec.name, self.spec.kind, target, self.clock.step, index, aux,
-                          self.transform.state, self.records)
+                          self.transform.state, self.records, self.clock.measuring, self.emitted)
         try:
             return self._apply(value, ctx)
         except HookexpError:
@@ -269,17 +270,24 @@ class HookHandle:
         """
         taken = [b.take_effects() if reset else (b._effect_sum, b._effect_tensors, b._effect_numel)
                  for b in self.bindings]
-        sums = [s for s, _, _ in taken if s is not None]
-        values = torch.stack([s.cpu() if s.device.type != "cpu" else s for s in sums]).tolist() if sums else []
+        emitted = [(b, name, torch.stack([v.to(values[0].device) for v in values]).mean())
+                   for b in self.bindings for name, values in b.emitted.items() if values]
+        if reset:
+            for b in self.bindings:
+                b.emitted.clear()
+        device_values = [s for s, _, _ in taken if s is not None] + [m.reshape(1) for _, _, m in emitted]
+        host = iter(torch.cat([v.to(device_values[0].device) for v in device_values]).tolist()
+                    if device_values else [])  # one device-to-host transfer for all specs
         out: dict[str, dict[str, float]] = {}
-        it = iter(values)
         for b, (s, n, numel) in zip(self.bindings, taken, strict=True):
             row: dict[str, float] = {"calls": float(b.calls), "calls_last_step": float(b.calls_last_step),
                                      "targets": float(len(b.targets))}
             if s is not None:
-                change, cos, changed = next(it)
+                change, cos, changed = next(host), next(host), next(host)
                 row.update(change_norm=change / n, cosine=cos / n, frac_changed=changed / max(numel, 1))
             out[b.spec.name] = row
+        for b, name, _ in emitted:
+            out[b.spec.name][name] = next(host)
         return out
 
     def table(self) -> list[dict[str, Any]]:

@@ -51,6 +51,14 @@ class HookContext:
     aux: Any = None
     state: dict[str, Any] = field(default_factory=dict)
     records: list[Record] | None = None
+    measuring: bool = False
+    emitted: dict[str, list[torch.Tensor]] | None = None
+
+    def emit(self, name: str, value: torch.Tensor | float) -> None:
+        """Report a measurement (mean over calls) as ``hook/<spec>/<name>``; only while measuring,
+        i.e. on log steps. Keep ``value`` on the device: it is read back with the other statistics."""
+        if self.measuring and self.emitted is not None:
+            self.emitted.setdefault(name, []).append(torch.as_tensor(value, dtype=torch.float32).detach())
 
 
 @dataclass
@@ -137,6 +145,16 @@ def record(x: Any, ctx: HookContext, aux: bool = False, max_records: int | None 
             Record(ctx.spec, ctx.target, ctx.step, detach_copy(x, to_cpu),
                    detach_copy(ctx.aux, to_cpu) if aux else None)
         )
+    return x
+
+
+@register_transform("dead_units")
+def dead_units(x: torch.Tensor, ctx: HookContext, dim: int = 1) -> torch.Tensor:
+    """A probe: leave the activation unchanged; on log steps emit ``dead_frac``, the fraction of units
+    (entries along ``dim``, the channel/feature dimension) that are not positive anywhere in the batch."""
+    if ctx.measuring and x.dim() > dim:
+        alive = (x.detach() > 0).transpose(0, dim).reshape(x.shape[dim], -1).any(dim=1)
+        ctx.emit("dead_frac", 1.0 - alive.float().mean())
     return x
 
 

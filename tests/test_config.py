@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hookexp import attach
+from hookexp import validate
 
 GROUPS = ("model", "data", "optim", "trainer", "hooks", "stats", "logger", "experiment")
 
@@ -57,20 +57,17 @@ def test_every_optimizer(optim):
 
 
 @pytest.mark.parametrize("hooks", options("hooks"))
-def test_every_hook_set_attaches_to_the_default_model(hooks):
+def test_every_hook_set_passes_the_dry_run_on_the_default_model(hooks):
     cfg = compose("config", overrides=[f"hooks={hooks}"])
     net = instantiate(cfg.model)
     opt = instantiate(cfg.optim)(params=net.parameters())
     specs = OmegaConf.to_container(cfg.hooks, resolve=True)
-    with attach(net, specs, opt) as handle:
-        x = torch.randn(4, 1, 8, 8)
-        torch.nn.functional.cross_entropy(net(x), torch.zeros(4, dtype=torch.long)).backward()
-        opt.step()
-        rows = handle.table()
-    assert [r["spec"] for r in rows] == list(specs)
-    assert all(r["targets"] for r in rows)
-    if hooks != "none":
-        assert all(s["calls"] > 0 for s in handle.stats().values())
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    report = validate(net, specs, batch, opt)
+    assert report.ok, report.errors
+    assert [r["spec"] for r in report.rows] == list(specs)
+    assert all(r["targets"] and r["calls_per_step"] > 0 for r in report.rows), report.rows
+    assert (hooks == "none") == (not specs)
 
 
 def test_hook_sets_merge_and_tune():

@@ -76,6 +76,24 @@ def test_noise_is_seeded_per_spec_and_follows_torch_seed():
     assert 0.0 < a.std() < 0.5
 
 
+def test_dead_units_probe_emits_the_dead_fraction_on_log_steps_only():
+    from torch import nn
+
+    from hookexp import attach
+
+    relu = nn.ReLU()
+    x = torch.randn(8, 4, 3, 3)
+    x[:, 1] = -1.0  # channel 1 is dead in the whole batch
+    x[:, 3] = -x[:, 3].abs()  # and channel 3
+    with attach(relu, {"p": {"target": "", "kind": "forward", "transform": "dead_units"}}, measure=False) as hooks:
+        assert torch.equal(relu(x), torch.relu(x))
+        assert "dead_frac" not in hooks.stats()["p"]  # not a log step: nothing computed
+        hooks.measuring = True
+        relu(x)
+        relu(x[:, :2])  # a second call: channel 1 of 2 dead
+        assert hooks.stats()["p"]["dead_frac"] == pytest.approx((0.5 + 0.5) / 2)
+
+
 def test_record_keeps_whole_tuples_and_aux():
     recs = []
     bound = bind_transform("record", {"aux": True}, "s")
