@@ -44,8 +44,12 @@ class LocalFiles:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
     def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
-        self._file.close()
+        self.close()
         data = {k: _jsonable(v) for k, v in summary.items()}
         (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 

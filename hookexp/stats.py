@@ -112,13 +112,23 @@ class GradStats:
         return result
 
 
+def _histogram(flat: torch.Tensor, bins: int) -> torch.Tensor:
+    """``[lo, hi, count_1 .. count_bins]`` over [min, max], on device and without a host sync."""
+    lo, hi = flat.min(), flat.max()
+    idx = ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
+    counts = torch.zeros(bins, device=flat.device).index_add_(0, idx, torch.ones_like(flat))
+    return torch.cat([lo.reshape(1), hi.reshape(1), counts])
+
+
 class ActivationStats:
     """Mean, std and fraction of zeros of the outputs of matched modules, on log steps only."""
 
-    def __init__(self, model: nn.Module, pattern: str | None):
+    def __init__(self, model: nn.Module, pattern: str | None, hist_bins: int = 0):
         self.named = _match(model, pattern, "module", "stats.activations") if pattern else []
+        self.hist_bins = hist_bins
         self._handles: list[Any] = []
         self._rows: dict[str, torch.Tensor] = {}
+        self.hists: dict[str, tuple[list[float], float, float]] = {}  # of the last log step
 
     def begin(self) -> None:
         """Attach the forward hooks for one log step."""
@@ -130,7 +140,10 @@ class ActivationStats:
             if isinstance(output, torch.Tensor) and output.is_floating_point():
                 with torch.no_grad():
                     x = output.detach().float()
-                    self._rows[name] = torch.stack([x.mean(), x.std(), (x == 0).float().mean()])
+                    row = torch.stack([x.mean(), x.std(), (x == 0).float().mean()])
+                    if self.hist_bins > 0:
+                        row = torch.cat([row, _histogram(x.reshape(-1), self.hist_bins)])
+                    self._rows[name] = row
         return hook
 
     def end(self) -> dict[str, float]:
@@ -143,5 +156,6 @@ class ActivationStats:
         names = list(self._rows)
         host = torch.stack([self._rows[n] for n in names]).tolist()
         self._rows.clear()
+        self.hists = {n: (row[5:], row[3], row[4]) for n, row in zip(names, host, strict=True) if len(row) > 5}
         return {f"act/{n}/{s}": v for n, row in zip(names, host, strict=True)
-                for s, v in zip(ACT_STATS, row, strict=True)}
+                for s, v in zip(ACT_STATS, row[:len(ACT_STATS)], strict=True)}

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from hookexp.engine import HookHandle, attach, explain_torch_error
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.manifest import build_manifest, write_json
+from hookexp.plots import plot_grad_norms
 from hookexp.sinks import LocalFiles, Sinks, WandbSink
 from hookexp.stats import ActivationStats, GradStats
 from hookexp.validate import validate
@@ -163,7 +164,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         hooks.remove()
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
-    act_stats = ActivationStats(model, cfg.stats.activations)
+    act_stats = ActivationStats(model, cfg.stats.activations, cfg.stats.hist_bins)
 
     # -- outputs: manifest first, so that even a failed run says what it was --------------------------
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -195,6 +196,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         correct = torch.zeros((), device=device, dtype=torch.long)
         seen = batches = 0
         last_log_time, last_log_step = time.perf_counter(), 0
+        loop_started, eval_s = time.perf_counter(), 0.0
         bar = tqdm(total=total_steps, disable=not cfg.trainer.progress, desc="train", unit="step", leave=False)
         model.train()
         epoch = 0
@@ -233,6 +235,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         if grads.hist is not None and wandb_sink is not None:
                             extra = {f"grad/{n}/hist": wandb_sink.histogram(h, lo, hi) for n, h, (lo, hi)
                                      in zip(grads.names, grads.hist, grads.hist_range, strict=True)}
+                    if act_stats.hists and wandb_sink is not None:
+                        extra.update({f"act/{n}/hist": wandb_sink.histogram(h, lo, hi)
+                                      for n, (h, lo, hi) in act_stats.hists.items()})
                     for name, row in hooks.stats(reset=True).items():
                         metrics.update({f"hook/{name}/{k}": v for k, v in row.items() if k != "targets"})
                     sinks.log(metrics, step, extra)
@@ -246,11 +251,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 if step >= total_steps:
                     break
             epoch += 1
+            eval_started = time.perf_counter()
             val = evaluate(model, val_loader, device)
+            eval_s += time.perf_counter() - eval_started
             best_acc = max(best_acc, val["val/acc"])
             sinks.log({**val, "epoch": epoch}, step - 1)
             summary.update(val)
         bar.close()
+        summary["perf/train_loop_s"] = time.perf_counter() - loop_started - eval_s  # training steps only
         failed = False
     finally:
         stats_handle.remove()
@@ -263,6 +271,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         })
         if cfg.trainer.save_records:
             _save_records(hooks, run_dir)
+        local.close()
+        try:
+            plot = plot_grad_norms(local.metrics_path, run_dir / "plots" / "grad_norms.png")
+            if plot is not None and wandb_sink is not None:
+                wandb_sink.log_image("plots/grad_norms", plot)
+        except Exception as e:
+            log.warning("could not plot the gradient norms: %s: %s", type(e).__name__, e)
         sinks.finish(summary, failed)
     return summary
 

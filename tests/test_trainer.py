@@ -1,0 +1,90 @@
+"""The trainer in-process (compose API): work happens on log steps only; probes change nothing."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import read_jsonl
+from hydra import compose, initialize_config_module
+
+from hookexp.engine import HookHandle, SpecBinding
+from hookexp.stats import ActivationStats, GradStats
+from hookexp.train import train
+
+
+def config(*overrides: str):
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
+def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    counts: Counter[str] = Counter()
+
+    def counting(cls, name):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    counting(GradStats, "compute")
+    counting(ActivationStats, "begin")
+    counting(SpecBinding, "measure")
+    counting(HookHandle, "stats")
+    cfg = config("hooks=[clamp_conv,dead_relu_probe]", "stats.every=5", "trainer.max_steps=12",
+                 "stats.activations=relu*")
+    summary = train(cfg, tmp_path)
+    log_steps = [0, 5, 10, 11]
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["trainer/step"] for r in rows] == log_steps
+    assert counts["compute"] == counts["begin"] == counts["stats"] == len(log_steps)
+    # clamp_conv measures 2 tensors a log step, dead_relu_probe 3 (relu1..3)
+    assert counts["measure"] == (2 + 3) * len(log_steps)
+    assert summary["hook/clamp_conv/calls"] == 2 * 12
+    assert all("act/relu2/frac_zero" in r and "hook/dead_relu_probe/dead_frac" in r for r in rows)
+
+
+def test_hooks_that_change_nothing_leave_training_bit_identical(tmp_path: Path):
+    base = train(config("hooks=none", "trainer.max_steps=30"), tmp_path / "none")
+    probed = train(config("hooks=[dead_relu_probe,record_activations]", "trainer.max_steps=30"), tmp_path / "probe")
+    assert base["train/loss"] == probed["train/loss"] and base["val/loss"] == probed["val/loss"]
+    a = [{k: v for k, v in r.items() if k.startswith(("train/", "val/", "grad/"))}
+         for r in read_jsonl(tmp_path / "none" / "metrics.jsonl")]
+    b = [{k: v for k, v in r.items() if k.startswith(("train/", "val/", "grad/"))}
+         for r in read_jsonl(tmp_path / "probe" / "metrics.jsonl")]
+    assert a == b
+    records = (tmp_path / "probe" / "records" / "record_activations.pt")
+    assert records.exists()
+
+
+def test_a_hook_changes_training(tmp_path: Path):
+    base = train(config("hooks=none", "trainer.max_steps=20"), tmp_path / "none")
+    hooked = train(config("hooks=zero_fc_bias", "trainer.max_steps=20"), tmp_path / "zero")
+    assert base["train/loss"] != hooked["train/loss"]
+    rows = read_jsonl(tmp_path / "zero" / "metrics.jsonl")
+    assert all(r["grad/fc1.bias/norm"] == 0.0 and r["grad/fc1.bias/frac_zero"] == 1.0
+               for r in rows if "grad/fc1.bias/norm" in r)
+
+
+def test_plot_and_histograms_reach_the_files_and_wandb(tmp_path: Path):
+    from conftest import wandb_history, wandb_summary
+
+    cfg = config("trainer.max_steps=15", "stats.hist_bins=8", "stats.activations=relu1", "logger=wandb")
+    train(cfg, tmp_path)
+    png = tmp_path / "plots" / "grad_norms.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run = wandb_summary(tmp_path)
+    assert run["state"] == "finished" and "plots/grad_norms" in run["summary"]
+    hist = [r for r in wandb_history(tmp_path) if "grad/conv1.weight/hist.values" in r]
+    assert len(hist) == 3  # steps 0, 10, 14
+    assert hist[0]["grad/conv1.weight/hist._type"] == "histogram"
+    assert sum(hist[0]["grad/conv1.weight/hist.values"]) == 16 * 1 * 3 * 3  # every element in a bin
+    assert len(hist[0]["grad/conv1.weight/hist.bins"]) == 8 + 1
+    assert sum(hist[0]["act/relu1/hist.values"]) == 64 * 16 * 8 * 8
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["perf/train_loop_s"] > 0
