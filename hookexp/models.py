@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
 from torch import nn
 
 
@@ -33,17 +34,23 @@ class MLP(nn.Sequential):
     """``depth`` linear layers of ``width`` units with ReLU between them (``fc1`` ... ``fc<depth>``).
 
     ``init_std`` (when set) draws every weight from N(0, init_std^2) and zeroes the biases: a badly
-    initialised deep network for gradient-noise studies.
+    initialised deep network for gradient-noise studies. ``norm="layer"`` puts a LayerNorm
+    (``norm<i>``) after every hidden linear layer.
     """
 
     def __init__(self, in_channels: int = 1, image_size: int = 8, num_classes: int = 10, depth: int = 3,
-                 width: int = 128, init_std: float | None = None):
+                 width: int = 128, init_std: float | None = None, norm: str | None = None):
+        if norm not in (None, "layer"):
+            raise ValueError(f"model.norm must be null or 'layer', got {norm!r}")
         if depth < 1:
             raise ValueError(f"model.depth must be at least 1, got {depth}")
         layers: list[tuple[str, nn.Module]] = [("flatten", nn.Flatten())]
         fan_in = in_channels * image_size * image_size
         for i in range(1, depth):
-            layers += [(f"fc{i}", nn.Linear(fan_in, width)), (f"relu{i}", nn.ReLU())]
+            layers.append((f"fc{i}", nn.Linear(fan_in, width)))
+            if norm == "layer":
+                layers.append((f"norm{i}", nn.LayerNorm(width)))
+            layers.append((f"relu{i}", nn.ReLU()))
             fan_in = width
         layers.append((f"fc{depth}", nn.Linear(fan_in, num_classes)))
         super().__init__(OrderedDict(layers))
@@ -66,3 +73,30 @@ class SeedNet(nn.Sequential):
             ("flatten", nn.Flatten()),
             ("fc1", nn.Linear(10 * side * side, num_classes)),
         ]))
+
+
+class PatchTransformer(nn.Module):
+    """A small pre-norm transformer encoder for images: each row of pixels is a token.
+
+    ``embed`` (Linear) -> ``layers.<i>`` (nn.TransformerEncoderLayer: ``self_attn``, ``linear1``,
+    ``linear2``, ``norm1``, ``norm2``) -> mean over tokens -> ``head``. Targets such as
+    ``re:^layers\\.\\d+\\.self_attn$`` reach every attention block.
+    """
+
+    def __init__(self, in_channels: int = 1, image_size: int = 8, num_classes: int = 10, d_model: int = 128,
+                 depth: int = 4, heads: int = 4, ff: int = 256):
+        super().__init__()
+        self.embed = nn.Linear(in_channels * image_size, d_model)
+        self.pos = nn.Parameter(torch.zeros(1, image_size, d_model))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(depth))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        tokens = self.embed(x.permute(0, 2, 1, 3).reshape(b, h, c * w)) + self.pos
+        for layer in self.layers:
+            tokens = layer(tokens)
+        return self.head(self.norm(tokens).mean(dim=1))

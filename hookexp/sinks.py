@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import queue
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 log = logging.getLogger("hookexp.sinks")
 
@@ -25,12 +27,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class Sink(Protocol):
-    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None: ...
-
-    def finish(self, summary: Mapping[str, Any], failed: bool) -> None: ...
-
-
 class LocalFiles:
     """``metrics.jsonl`` (one line per log call, flushed) and ``summary.json`` in the run directory."""
 
@@ -39,7 +35,7 @@ class LocalFiles:
         self.metrics_path = run_dir / "metrics.jsonl"
         self._file = self.metrics_path.open("a", encoding="utf-8")
 
-    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None:
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
         row = {STEP_KEY: step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
@@ -54,9 +50,18 @@ class LocalFiles:
         (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+Histograms = Mapping[str, tuple[list[float], float, float]]  # key -> (counts, lo, hi)
+
+
 class WandbSink:
     """One W&B run per job. ``mode=offline`` writes it under ``<run_dir>/wandb``; an unreachable
-    server in ``online`` mode falls back to offline with one warning instead of killing training."""
+    server in ``online`` mode falls back to offline with one warning instead of killing training.
+
+    ``run.log`` costs milliseconds of Python for a log step with many keys, so it runs on one worker
+    thread that consumes an ordered queue (while the training thread is inside torch's kernels,
+    which release the GIL). ``finish`` drains the queue first; a failure in the worker is reported
+    once as a warning and never stops training (the local files hold the same numbers).
+    """
 
     def __init__(self, run_dir: Path, cfg: Mapping[str, Any], config: dict[str, Any], tags: list[str],
                  hooks_table: list[dict[str, Any]]):
@@ -84,24 +89,44 @@ class WandbSink:
             rows = [[r["spec"], r["kind"], r["transform"], json.dumps(r["args"]), r["enabled"],
                      ", ".join(r["targets"])] for r in hooks_table]
             self.run.log({"hooks/table": wandb.Table(columns=columns, data=rows)}, commit=False)
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._work, name="hookexp-wandb", daemon=True)
+        self._worker.start()
 
-    @property
-    def run_path(self) -> str:
-        return str(Path(self.run.dir).parent)
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    job()
+                except Exception as e:
+                    self._error = e
 
-    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None:
-        self.run.log({STEP_KEY: step, **metrics, **(extra or {})})
+    def _check(self) -> None:
+        if self._error is not None and not getattr(self, "_warned", False):
+            self._warned = True
+            warnings.warn(f"W&B logging failed ({type(self._error).__name__}: {self._error}); the run continues "
+                          "and metrics.jsonl holds every value.", RuntimeWarning, stacklevel=3)
 
-    def histogram(self, counts: list[float], lo: float, hi: float) -> Any:
+    def log(self, metrics: Mapping[str, Any], step: int, histograms: Histograms | None = None) -> None:
+        row = {STEP_KEY: step, **metrics}
+        hists = dict(histograms or {})
+        self._queue.put(lambda: self.run.log({**row, **{k: self._histogram(*h) for k, h in hists.items()}}))
+        self._check()
+
+    def _histogram(self, counts: list[float], lo: float, hi: float) -> Any:
         import numpy as np
 
         edges = np.linspace(lo, hi, len(counts) + 1) if hi > lo else np.linspace(lo - 0.5, lo + 0.5, len(counts) + 1)
         return self._wandb.Histogram(np_histogram=(np.asarray(counts), edges))
 
     def log_image(self, key: str, path: Path) -> None:
-        self.run.log({key: self._wandb.Image(str(path))})
+        self._queue.put(lambda: self.run.log({key: self._wandb.Image(str(path))}))
 
     def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
+        self._queue.put(None)
+        self._worker.join()
+        self._check()
         for k, v in summary.items():
             self.run.summary[k] = v
         self.run.finish(exit_code=1 if failed else 0)
@@ -114,10 +139,10 @@ class Sinks:
         self.local = local
         self.wandb = wandb_sink
 
-    def log(self, metrics: Mapping[str, Any], step: int, extra: Mapping[str, Any] | None = None) -> None:
+    def log(self, metrics: Mapping[str, Any], step: int, histograms: Histograms | None = None) -> None:
         self.local.log(metrics, step)
         if self.wandb is not None:
-            self.wandb.log(metrics, step, extra)
+            self.wandb.log(metrics, step, histograms)
 
     def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
         try:

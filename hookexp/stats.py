@@ -54,14 +54,15 @@ class GradStats:
         self.hist_bins = hist_bins
         self._seg_cache: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def _segments(self, sizes: list[int], device: torch.device) -> torch.Tensor:
+    def _layout(self, sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment ids (element -> parameter) and lengths, cached per set of present gradients."""
         key = (tuple(sizes), str(device))
-        seg = self._seg_cache.get(key)
-        if seg is None:
-            seg = torch.repeat_interleave(torch.arange(len(sizes), device=device),
-                                          torch.tensor(sizes, device=device))
-            self._seg_cache[key] = seg
-        return seg
+        cached = self._seg_cache.get(key)
+        if cached is None:
+            lengths = torch.tensor(sizes, device=device)
+            cached = (torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths), lengths)
+            self._seg_cache[key] = cached
+        return cached
 
     @torch.no_grad()
     def compute(self) -> GradStatsResult | None:
@@ -73,32 +74,27 @@ class GradStats:
         grads = [g for _, g in present]
         device = grads[0].device
         flat = torch.cat([g.detach().reshape(-1).to(device=device, dtype=torch.float32) for g in grads])
-        sizes = [g.numel() for g in grads]
-        seg = self._segments(sizes, device)
+        seg, lengths = self._layout([g.numel() for g in grads], device)
         n_params = len(grads)
-        count = torch.tensor(sizes, device=device, dtype=torch.float32)
-
-        def seg_sum(values: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(n_params, device=device).index_add_(0, seg, values)
-
-        sumsq = seg_sum(flat * flat)
-        mean = seg_sum(flat) / count
-        centered = flat - mean[seg]
-        std = (seg_sum(centered * centered) / (count - 1)).sqrt()  # unbiased, as Tensor.std()
+        # One segmented sum over [sum, sum of squares, zeros, negatives], in float64 so that the
+        # variance from sums stays exact enough; min/max by scatter_reduce.
+        wide = flat.double() if device.type != "mps" else flat
+        columns = torch.stack([wide, wide * wide, (flat == 0).to(wide.dtype), (flat < 0).to(wide.dtype)], dim=1)
+        sums = torch.segment_reduce(columns, "sum", lengths=lengths, axis=0)
+        count = lengths.to(wide.dtype)
+        total, sumsq, zeros, negs = sums.unbind(dim=1)
+        mean = total / count
+        std = ((sumsq - total * mean) / (count - 1)).clamp_min(0).sqrt()  # unbiased, as Tensor.std()
         mins = torch.full((n_params,), float("inf"), device=device).scatter_reduce_(0, seg, flat, "amin")
         maxs = torch.full((n_params,), float("-inf"), device=device).scatter_reduce_(0, seg, flat, "amax")
-        frac_zero = seg_sum((flat == 0).float()) / count
-        frac_neg = seg_sum((flat < 0).float()) / count
-        table = torch.stack([sumsq.sqrt(), mean, std, mins, maxs, frac_zero, frac_neg], dim=1)
+        table = torch.stack([sumsq.sqrt(), mean, std, mins.to(wide.dtype), maxs.to(wide.dtype),
+                             zeros / count, negs / count], dim=1)
         parts = [table.reshape(-1), sumsq.sum().sqrt().reshape(1)]
         if self.hist_bins > 0:
             bins = self.hist_bins
             lo, hi = mins[seg], maxs[seg]
-            width = (hi - lo).clamp_min(1e-30)
-            idx = ((flat - lo) / width * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
-            hist = torch.zeros(n_params * bins, device=device).index_add_(0, seg * bins + idx,
-                                                                        torch.ones_like(flat))
-            parts.append(hist)
+            idx = ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
+            parts.append(_count(seg * bins + idx, n_params * bins).to(wide.dtype))
         host = torch.cat(parts).tolist()  # the one device-to-host transfer of this log step
         n_stats = len(GRAD_STATS)
         values = [host[i * n_stats:(i + 1) * n_stats] for i in range(n_params)]
@@ -112,12 +108,19 @@ class GradStats:
         return result
 
 
+def _count(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of ``range(size)`` occurs in ``index``: bincount on the CPU (fast), index_add_
+    elsewhere (bincount would sync to size its output)."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=size).float()
+    return torch.zeros(size, device=index.device).index_add_(0, index, torch.ones(index.shape, device=index.device))
+
+
 def _histogram(flat: torch.Tensor, bins: int) -> torch.Tensor:
     """``[lo, hi, count_1 .. count_bins]`` over [min, max], on device and without a host sync."""
     lo, hi = flat.min(), flat.max()
     idx = ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
-    counts = torch.zeros(bins, device=flat.device).index_add_(0, idx, torch.ones_like(flat))
-    return torch.cat([lo.reshape(1), hi.reshape(1), counts])
+    return torch.cat([lo.reshape(1), hi.reshape(1), _count(idx, bins)])
 
 
 class ActivationStats:

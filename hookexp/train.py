@@ -229,18 +229,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                                     "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1)})
                     last_log_time, last_log_step = now, step + 1
                     grads = captured.pop("grads", None)
-                    extra: dict[str, Any] = {}
+                    hists = {f"act/{n}/hist": h for n, h in act_stats.hists.items()}
                     if grads is not None:
                         metrics.update(grads.metrics())
-                        if grads.hist is not None and wandb_sink is not None:
-                            extra = {f"grad/{n}/hist": wandb_sink.histogram(h, lo, hi) for n, h, (lo, hi)
-                                     in zip(grads.names, grads.hist, grads.hist_range, strict=True)}
-                    if act_stats.hists and wandb_sink is not None:
-                        extra.update({f"act/{n}/hist": wandb_sink.histogram(h, lo, hi)
-                                      for n, (h, lo, hi) in act_stats.hists.items()})
+                        if grads.hist is not None:
+                            hists.update({f"grad/{n}/hist": (h, lo, hi) for n, h, (lo, hi)
+                                          in zip(grads.names, grads.hist, grads.hist_range, strict=True)})
                     for name, row in hooks.stats(reset=True).items():
                         metrics.update({f"hook/{name}/{k}": v for k, v in row.items() if k != "targets"})
-                    sinks.log(metrics, step, extra)
+                    sinks.log(metrics, step, hists)
                     summary.update({k: metrics[k] for k in ("train/loss", "train/acc")})
                     bar.set_postfix(loss=f"{loss_v:.4f}", acc=f"{acc_v:.3f}")
                     loss_sum.zero_()

@@ -57,7 +57,9 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
     # the config is logged resolved, as a plain mapping
     assert run["config"]["model"]["in_channels"] == 1 and run["config"]["hooks"]["clamp_conv"]["kind"] == "output_grad"
 
-    history = wandb_history(clamp_run)
+    everything = wandb_history(clamp_run)
+    assert [r.get("plots/grad_norms._type") for r in everything][-1] == "image-file"  # the plot, last
+    history = [r for r in everything if "plots/grad_norms._type" not in r]
     rows = read_jsonl(clamp_run / "metrics.jsonl")
     assert len(history) == len(rows)
     for local_row, wandb_row in zip(rows, history, strict=True):

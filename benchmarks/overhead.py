@@ -1,0 +1,154 @@
+"""Step-time overhead of hookexp, as ratios against a hand-written loop measured in the same process.
+
+    .venv/bin/python benchmarks/overhead.py                 # all models, 5 repeats
+    .venv/bin/python benchmarks/overhead.py --models small_cnn --repeats 3 --steps 60
+
+Cases, interleaved in every repeat (median over repeats of the mean step time over ``--steps``):
+  a  hand-written minimal loop (same DataLoader, model, optimizer)
+  b  the hookexp trainer, no hooks, statistics off               (W&B offline, like every CLI run)
+  c  the trainer, statistics every step: all gradient statistics, 32-bin histograms, activation
+     statistics of every module, hook effects
+  d  the same statistics every 10 steps
+  e  the hand loop with wandb.watch(model, log="gradients", log_freq=1), offline, logging the loss
+  f  the same with log_freq=10
+  g  clamp every parameter's gradient: hookexp `grad` kind (g_grad), `pre_step` kind (g_pre), and a
+     hand-written per-parameter register_hook loop (g_hand), all in the hand loop
+Trainer times are its training-loop time (summary perf/train_loop_s: steps only, no build, no eval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_module
+
+from hookexp import attach
+from hookexp.train import build_run, train
+
+MODELS = {
+    "small_cnn": ["model=small_cnn"],
+    "deep_mlp": ["model=mlp", "model.depth=32", "model.width=64", "model.norm=layer", "optim=adamw"],
+    "transformer": ["model=transformer", "optim=adamw"],
+}
+CLAMP = {"min": -1e-3, "max": 1e-3}
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        return compose("config", overrides=["trainer.progress=false", "logger.mode=offline", *overrides])
+
+
+def hand_loop(model_overrides: list[str], steps: int, setup: Callable | None = None, wandb_freq: int = 0) -> float:
+    """Seconds per step of a minimal loop; ``setup(model, opt)`` attaches hooks; ``wandb_freq`` watches."""
+    cfg = compose_cfg(model_overrides)
+    run = build_run(cfg)
+    model, opt = run.model, run.optimizer
+    cleanup = setup(model, opt) if setup else None
+    wb = None
+    if wandb_freq:
+        import wandb
+
+        wb = wandb.init(mode="offline", dir=tempfile.mkdtemp(), project="bench", reinit="finish_previous",
+                        settings=wandb.Settings(silent=True))
+        wb.watch(model, log="gradients", log_freq=wandb_freq)
+    done = 0
+    start = time.perf_counter()
+    while done < steps:
+        for x, y in run.train_loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if wb is not None:
+                wb.log({"train/loss": loss.item()})
+            done += 1
+            if done == steps:
+                break
+    elapsed = time.perf_counter() - start
+    if wb is not None:
+        wb.finish()
+    if cleanup is not None:
+        cleanup()
+    return elapsed / steps
+
+
+def trainer_loop(model_overrides: list[str], steps: int, extra: list[str]) -> float:
+    cfg = compose_cfg([*model_overrides, f"trainer.max_steps={steps}", "trainer.epochs=1000", *extra])
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = train(cfg, Path(tmp))
+    return summary["perf/train_loop_s"] / steps
+
+
+def clamp_via(kind: str) -> Callable:
+    def setup(model, opt):
+        handle = attach(model, {"c": {"target": "*", "kind": kind, "transform": "clamp", "args": CLAMP}}, opt,
+                        measure=False)
+        return handle.remove
+
+    return setup
+
+
+def clamp_by_hand(model, opt):
+    handles = [p.register_hook(lambda g: g.clamp(min=CLAMP["min"], max=CLAMP["max"])) for p in model.parameters()]
+    return lambda: [h.remove() for h in handles]
+
+
+STATS_OFF = ["stats.grads=null", "stats.every=1000000000"]
+STATS_ALL = ["stats.grads=*", "stats.activations=*", "stats.hist_bins=32"]
+
+
+def cases(model: list[str], steps: int) -> dict[str, Callable[[], float]]:
+    return {
+        "a": lambda: hand_loop(model, steps),
+        "b": lambda: trainer_loop(model, steps, STATS_OFF),
+        "c": lambda: trainer_loop(model, steps, [*STATS_ALL, "stats.every=1"]),
+        "d": lambda: trainer_loop(model, steps, [*STATS_ALL, "stats.every=10"]),
+        "e": lambda: hand_loop(model, steps, wandb_freq=1),
+        "f": lambda: hand_loop(model, steps, wandb_freq=10),
+        "g_grad": lambda: hand_loop(model, steps, clamp_via("grad")),
+        "g_pre": lambda: hand_loop(model, steps, clamp_via("pre_step")),
+        "g_hand": lambda: hand_loop(model, steps, clamp_by_hand),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    import logging
+
+    logging.disable(logging.WARNING)
+    names = args.models.split(",")
+    times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
+    for r in range(args.repeats):
+        for m in names:
+            for case, fn in cases(MODELS[m], args.steps).items():
+                times[m].setdefault(case, []).append(fn())
+        print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x "
+          f"{args.repeats} repeats (median)\n")
+    header = ("model", "a ms/step", "b/a", "c/b", "d/b", "e/a", "f/a", "e/c", "g_grad/a", "g_pre/a", "g_hand/a",
+              "g_pre/g_hand")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for m in names:
+        med = {k: statistics.median(v) for k, v in times[m].items()}
+        row = [m, f"{med['a'] * 1e3:.2f}", *(f"{med[x] / med[y]:.2f}" for x, y in (
+            ("b", "a"), ("c", "b"), ("d", "b"), ("e", "a"), ("f", "a"), ("e", "c"), ("g_grad", "a"),
+            ("g_pre", "a"), ("g_hand", "a"), ("g_pre", "g_hand")))]
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
