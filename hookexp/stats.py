@@ -143,6 +143,7 @@ class ActivationStats:
             if isinstance(output, torch.Tensor) and output.is_floating_point():
                 with torch.no_grad():
                     x = output.detach().float()
+                    # (measured on CPU: faster than torch.std_mean + count_nonzero)
                     row = torch.stack([x.mean(), x.std(), (x == 0).float().mean()])
                     if self.hist_bins > 0:
                         row = torch.cat([row, _histogram(x.reshape(-1), self.hist_bins)])
