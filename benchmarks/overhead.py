@@ -7,8 +7,9 @@ Cases, interleaved in every repeat (median over repeats of the mean step time ov
   a  hand-written minimal loop (same DataLoader, model, optimizer)
   b  the hookexp trainer, no hooks, statistics off (local files; W&B's service process competes for
      the 2 cores after wandb.init and would confound the comparison with the hand loop)
-  c  the trainer, statistics every step: all gradient statistics, 32-bin histograms, activation
-     statistics of every module, hook effects
+  c  the trainer, statistics every step: every gradient statistic of every parameter with 32-bin
+     histograms, the global norm, and activation statistics (mean, std, fraction zero, 32-bin
+     histogram) of the model's activation layers (ReLUs; the transformer's encoder layers)
   d  the same statistics every 10 steps
   c_wb  c with the W&B offline run as well (its logging runs on hookexp's worker thread)
   e  the hand loop with wandb.watch(model, log="gradients", log_freq=1), offline, logging the loss
@@ -37,10 +38,10 @@ from hydra import compose, initialize_config_module
 from hookexp import attach
 from hookexp.train import build_run, train
 
-MODELS = {
-    "small_cnn": ["model=small_cnn"],
-    "deep_mlp": ["model=mlp", "model.depth=32", "model.width=64", "model.norm=layer", "optim=adamw"],
-    "transformer": ["model=transformer", "optim=adamw"],
+MODELS = {  # config overrides, and the activation layers that case c describes
+    "small_cnn": (["model=small_cnn"], "relu*"),
+    "deep_mlp": (["model=mlp", "model.depth=32", "model.width=64", "model.norm=layer", "optim=adamw"], "relu*"),
+    "transformer": (["model=transformer", "optim=adamw"], "layers.?"),
 }
 CLAMP = {"min": -1e-3, "max": 1e-3}
 
@@ -106,16 +107,14 @@ def clamp_by_hand(model, opt):
 
 
 STATS_OFF = ["stats.grads=null", "stats.every=1000000000"]
-STATS_ALL = ["stats.grads=*", "stats.activations=*", "stats.hist_bins=32"]
-
-
-def cases(model: list[str], steps: int) -> dict[str, Callable[[], float]]:
+def cases(model: list[str], activations: str, steps: int) -> dict[str, Callable[[], float]]:
+    stats_all = ["stats.grads=*", f"stats.activations={activations}", "stats.hist_bins=32"]
     fns: dict[str, Callable[[int], float]] = {
         "a": lambda n: hand_loop(model, n),
         "b": lambda n: trainer_loop(model, n, STATS_OFF),
-        "c": lambda n: trainer_loop(model, n, [*STATS_ALL, "stats.every=1"]),
-        "d": lambda n: trainer_loop(model, n, [*STATS_ALL, "stats.every=10"]),
-        "c_wb": lambda n: trainer_loop(model, n, [*STATS_ALL, "stats.every=1", "logger=wandb"]),
+        "c": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1"]),
+        "d": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=10"]),
+        "c_wb": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "logger=wandb"]),
         "e": lambda n: hand_loop(model, n, wandb_freq=1),
         "f": lambda n: hand_loop(model, n, wandb_freq=10),
         "g_grad": lambda n: hand_loop(model, n, clamp_via("grad")),
@@ -138,7 +137,8 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     for r in range(args.repeats):
         for m in names:
-            for case, fn in cases(MODELS[m], args.steps).items():
+            overrides, activations = MODELS[m]
+            for case, fn in cases(overrides, activations, args.steps).items():
                 times[m].setdefault(case, []).append(fn())
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 

@@ -2,21 +2,29 @@
 
 Hydra composes ``conf/`` (shipped inside the package as ``hookexp.conf``) with the command line; this
 module turns the composed config into a run. A mistake hookexp detects (a bad hook spec, a bad
-argument) is printed as one paragraph and the process exits with status 2 before training; in a
-multirun the job is marked failed and the other jobs go on.
+argument) is printed as one paragraph and the process exits with status 2 before training.
+
+In a multirun (``-m``) a job that raises does not stop the sweep: its error goes to ``failure.json``
+in its job directory, the sweeper gets NaN (Optuna counts the trial as failed), and when the sweep
+ends :class:`SweepSummary` lists every failed job with its overrides and error, and exits non-zero.
+W&B runs of a sweep are grouped by the sweep directory and named by the job's overrides unless
+``logger.group`` / ``logger.name`` say otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from hookexp.config import EXTRA_KEYS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
@@ -34,12 +42,43 @@ def check_top_level(cfg: DictConfig) -> None:
                               key=str(key))
 
 
+def apply_ablation(cfg: DictConfig) -> None:
+    """``+ablate=NAME``: disable spec NAME; ``none`` keeps every spec, ``all`` disables every spec."""
+    target = cfg.get("ablate")
+    if target is None or str(target) == "none":
+        return
+    names = list(cfg.hooks)
+    if str(target) == "all":
+        for name in names:
+            cfg.hooks[name].enabled = False
+        return
+    if str(target) not in names:
+        raise ConfigError(f"no hook spec named {target!r} to ablate.{did_you_mean(str(target), names)} "
+                          f"The specs are: {', '.join(names) or '(none)'}; or use none or all.", key="ablate")
+    cfg.hooks[str(target)].enabled = False
+
+
+def _sweep_defaults(cfg: DictConfig) -> None:
+    """In a multirun: W&B group = the sweep directory, name = the job's overrides (unless set)."""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    with open_dict(cfg):
+        if cfg.logger.group is None:
+            cfg.logger.group = "_".join(Path(hc.sweep.dir).parts[-2:])  # e.g. 2026-11-22_10-00-00
+        if cfg.logger.name is None:
+            overrides = [o for o in hc.overrides.task if not o.startswith("hydra.")]
+            cfg.logger.name = " ".join(overrides) or f"job{hc.job.num}"
+
+
 def run(cfg: DictConfig) -> Any:
     """Run (or dry-run) one job; returns the optimised metric (val/acc) for sweepers."""
     from hookexp.train import dry_run, train  # torch is imported only once the config composed
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_top_level(cfg)
+    apply_ablation(cfg)
+    _sweep_defaults(cfg)
     if cfg.get("dry_run"):
         return dry_run(cfg, run_dir)
     summary = train(cfg, run_dir)
@@ -50,13 +89,44 @@ def run(cfg: DictConfig) -> Any:
 
 @hydra.main(version_base="1.3", config_path="pkg://hookexp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
+    hc = HydraConfig.get()
     try:
         return run(cfg)
-    except HookexpError as e:
-        if HydraConfig.get().mode == RunMode.RUN:
+    except Exception as e:
+        if hc.mode == RunMode.MULTIRUN:
+            _record_failure(Path(hc.runtime.output_dir), list(hc.overrides.task), e)
+            return float("nan")
+        if isinstance(e, HookexpError):
             print(f"\nhookexp: error: {e}", file=sys.stderr)
             sys.exit(2)
         raise
+
+
+def _record_failure(job_dir: Path, overrides: list[str], error: BaseException) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    text = str(error) if isinstance(error, HookexpError) else f"{type(error).__name__}: {error}"
+    (job_dir / "failure.json").write_text(json.dumps({
+        "overrides": overrides, "error": text, "type": type(error).__name__,
+        "traceback": "".join(traceback.format_exception(error)),
+    }, indent=2) + "\n")
+    print(f"hookexp: job {' '.join(overrides)} failed: {text}", file=sys.stderr)
+
+
+class SweepSummary(Callback):
+    """At the end of a multirun: list the jobs that failed (from their failure.json) and exit 1."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        failures = sorted(sweep_dir.glob("**/failure.json"))
+        if not failures:
+            return
+        total = len(list(sweep_dir.glob("**/.hydra/overrides.yaml")))
+        print(f"\nhookexp: {len(failures)} of {max(total, len(failures))} jobs failed "
+              f"(the others' results are in {sweep_dir}):", file=sys.stderr)
+        for path in failures:
+            info = json.loads(path.read_text())
+            print(f"  {path.parent.name}: {' '.join(info['overrides'])}: {info['error']}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:

@@ -94,7 +94,10 @@ class HookexpConfig:
 
 
 # Keys that may be added on the command line with `+key=value` (they are not part of the schema).
-EXTRA_KEYS = {"dry_run": "validate the hooks on one batch, print the table, and exit without training"}
+EXTRA_KEYS = {
+    "dry_run": "validate the hooks on one batch, print the table, and exit without training",
+    "ablate": "disable one hook spec by name (none: keep all, all: disable all), for leave-one-out studies",
+}
 
 
 def register_configs() -> None:

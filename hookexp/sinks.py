@@ -60,8 +60,11 @@ class WandbSink:
     ``run.log`` costs milliseconds of Python for a log step with many keys, so it runs on one worker
     thread that consumes an ordered queue (while the training thread is inside torch's kernels,
     which release the GIL). ``finish`` drains the queue first; a failure in the worker is reported
-    once as a warning and never stops training (the local files hold the same numbers).
+    once as a warning and never stops training (the local files hold the same numbers). The queue is
+    bounded (``QUEUE_SIZE`` log steps): if W&B falls behind, training waits rather than memory grows.
     """
+
+    QUEUE_SIZE = 32
 
     def __init__(self, run_dir: Path, cfg: Mapping[str, Any], config: dict[str, Any], tags: list[str],
                  hooks_table: list[dict[str, Any]]):
@@ -89,7 +92,8 @@ class WandbSink:
             rows = [[r["spec"], r["kind"], r["transform"], json.dumps(r["args"]), r["enabled"],
                      ", ".join(r["targets"])] for r in hooks_table]
             self.run.log({"hooks/table": wandb.Table(columns=columns, data=rows)}, commit=False)
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # Bounded: when W&B falls behind, training waits for it instead of queueing rows without end.
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.QUEUE_SIZE)
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name="hookexp-wandb", daemon=True)
         self._worker.start()

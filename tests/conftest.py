@@ -17,7 +17,9 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Comple
     """``python -m hookexp ARGS`` in ``cwd``; tests/ is on PYTHONPATH for the user transforms."""
     env = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)
-    return subprocess.run([sys.executable, "-m", "hookexp", "trainer.progress=false", *args], cwd=cwd,
+    flags = [a for a in args if a.startswith("-")]  # -m and friends go before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, "-m", "hookexp", *flags, "trainer.progress=false", *overrides], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 

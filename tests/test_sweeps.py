@@ -1,0 +1,150 @@
+"""Reproducibility, multiruns, the report, ablations, Optuna, joblib, SLURM config and W&B sweeps."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import read_jsonl, run_cli
+from hydra import compose, initialize_config_module
+
+from hookexp.report import report
+
+FAST = ["trainer.max_steps=12", "stats.every=4", "logger=none"]
+
+
+def without_timing(path: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_jsonl(path)]
+
+
+def test_same_config_and_seed_give_identical_metrics(workdir):
+    for name in ("a", "b"):
+        done = run_cli(["hooks=[clamp_conv,grad_noise]", "repro.deterministic=true", *FAST,
+                        f"hydra.run.dir={name}"], workdir)
+        assert done.returncode == 0, done.stderr[-2000:]
+    first, second = without_timing(workdir / "a" / "metrics.jsonl"), without_timing(workdir / "b" / "metrics.jsonl")
+    assert first == second and len(first) == 5
+    done = run_cli(["hooks=[clamp_conv,grad_noise]", "repro.deterministic=true", "seed=1", *FAST, "hydra.run.dir=c"],
+                   workdir)
+    assert done.returncode == 0
+    other = without_timing(workdir / "c" / "metrics.jsonl")
+    assert [r.get("train/loss") for r in other] != [r.get("train/loss") for r in first]
+    manifest = json.loads((workdir / "a" / "manifest.json").read_text())
+    assert {"commit", "dirty"} <= set(manifest["git"]) and manifest["host"] and manifest["seed"] == 0
+    assert manifest["config"]["repro"]["deterministic"] is True
+
+
+def test_two_by_two_multirun_and_report(workdir):
+    done = run_cli(["-m", "hooks=none,zero_fc_bias", "seed=0,1", *FAST, "hydra.sweep.dir=sweep"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    jobs = sorted((workdir / "sweep").glob("[0-9]"))
+    assert len(jobs) == 4
+    markdown, groups, left_out = report([workdir / "sweep"])
+    assert not left_out
+    assert [g.name for g in groups] == ["hooks=none", "hooks=zero_fc_bias"]
+    for group in groups:
+        assert len(group.jobs) == 2
+        expected = statistics.mean(json.loads((j.path / "summary.json").read_text())["val/acc"] for j in group.jobs)
+        assert group.values("val/acc") and statistics.mean(group.values("val/acc")) == pytest.approx(expected)
+        assert f"| {group.name} | 2 | {statistics.mean(group.values('val/acc')):.4f} ± " in markdown
+    assert (workdir / "sweep" / "report.md").read_text() == markdown
+    assert (workdir / "sweep" / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failing_job_does_not_lose_the_others(workdir):
+    done = run_cli(["-m", "hooks=clamp_conv", "hooks.clamp_conv.transform=clamp,{_target_:user_transforms.explode}",
+                    *FAST, "hydra.sweep.dir=sweep"], workdir)
+    assert done.returncode == 1
+    assert "hookexp: 1 of 2 jobs failed" in done.stderr and "ValueError: boom" in done.stderr
+    assert json.loads((workdir / "sweep" / "0" / "summary.json").read_text())["status"] == "finished"
+    _, groups, left_out = report([workdir / "sweep"])
+    assert len(groups) == 1 and len(left_out) == 1 and "ValueError: boom" in left_out[0].error
+
+
+def test_ablate_runs_leave_one_out_and_reports(workdir):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "hookexp.ablate", "hooks=[clamp_conv,zero_fc_bias]", "seed=0,1",
+                           "trainer.progress=false", *FAST, "hydra.sweep.dir=abl"], cwd=workdir, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, groups, left_out = report([workdir / "abl"])
+    assert not left_out
+    assert sorted(g.name for g in groups) == ["+ablate=all", "+ablate=clamp_conv", "+ablate=none",
+                                              "+ablate=zero_fc_bias"]
+    assert all(len(g.jobs) == 2 for g in groups)
+    assert "| +ablate=none | 2 |" in done.stdout
+    summary = json.loads((workdir / "abl" / "0" / "summary.json").read_text())
+    assert summary["hook/clamp_conv/calls"] > 0
+    off = next(g for g in groups if g.name == "+ablate=clamp_conv").jobs[0]
+    assert json.loads((off.path / "summary.json").read_text())["hook/clamp_conv/calls"] == 0
+
+
+def test_ablate_rejects_an_unknown_spec(workdir):
+    done = run_cli(["hooks=clamp_conv", "+ablate=clamp_cnv", *FAST, "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2
+    assert "hookexp: error: ablate: no hook spec named 'clamp_cnv' to ablate. Did you mean 'clamp_conv'?" in done.stderr
+
+
+@pytest.mark.skipif(find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="extra .[sweeps] not installed")
+def test_optuna_sweep_of_four_trials(workdir):
+    done = run_cli(["-m", "sweep=optuna_lr", "hydra.sweeper.n_trials=4", "trainer.max_steps=10", "logger=none",
+                    "hydra.sweep.dir=opt"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = yaml.safe_load((workdir / "opt" / "optimization_results.yaml").read_text())
+    assert set(results["best_params"]) == {"optim.lr", "optim.momentum"}
+    values = [json.loads(p.read_text())["val/acc"] for p in (workdir / "opt").glob("*/summary.json")]
+    assert len(values) == 4 and results["best_value"] == max(values)
+
+
+@pytest.mark.skipif(find_spec("hydra_plugins.hydra_joblib_launcher") is None, reason="extra .[sweeps] not installed")
+def test_joblib_launcher_runs_two_jobs_with_wandb_offline(workdir):
+    from conftest import wandb_summary
+
+    done = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=0,1", "trainer.max_steps=6",
+                    "hydra.sweep.dir=jl"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = [wandb_summary(workdir / "jl" / str(i)) for i in (0, 1)]
+    assert all(r["state"] == "finished" for r in runs)
+    assert {r["config"]["logger"]["group"] for r in runs} == {"jl_jl"} or len({r["config"]["logger"]["group"]
+                                                                             for r in runs}) == 1
+    assert [r["name"] for r in runs] == [f"trainer.progress=False seed={i} trainer.max_steps=6" for i in (0, 1)]
+
+
+@pytest.mark.skipif(find_spec("hydra_plugins.hydra_submitit_launcher") is None, reason="extra .[sweeps] not installed")
+def test_slurm_launcher_config_composes():
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min == 120
+
+
+def test_the_command_a_wandb_agent_builds_runs(workdir):
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    spec = yaml.safe_load((Path(__file__).parents[1] / "sweeps" / "wandb_lr.yaml").read_text())
+    assert "${args_no_hyphens}" in spec["command"]
+    # What wandb_agent.Agent._command_run does with a run the sweep controller proposes:
+    proposed = {"args": {"optim.lr": {"value": 0.0123}, "seed": {"value": 2}}}
+    sweep_vars = sweep_utils.create_sweep_command_args(proposed)
+    sweep_vars.update(interpreter=[sys.executable], env=["/usr/bin/env"])
+    command: list[str] = []
+    for part in sweep_utils.create_sweep_command(list(spec["command"])):
+        command += sweep_vars.get(part[2:-1], []) if part.startswith("${") else [part]
+    assert command[-2:] == ["optim.lr=0.0123", "seed=2"]
+    # no W&B account here: the same command, logging offline
+    command = [("logger.mode=offline" if c == "logger.mode=online" else c) for c in command]
+    import subprocess
+
+    done = subprocess.run([*command, "trainer.max_steps=5", "hydra.run.dir=run"], cwd=workdir,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((workdir / "run" / "manifest.json").read_text())["config"]
+    assert config["optim"]["lr"] == 0.0123 and config["seed"] == 2
