@@ -18,11 +18,25 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 
+def is_sweep(override: str) -> bool:
+    """Whether an override sweeps (``seed=0,1,2``): a comma outside brackets in its value."""
+    depth = 0
+    for ch in override.partition("=")[2]:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return True
+    return False
+
+
 def spec_names(overrides: list[str]) -> list[str]:
-    """The hook specs the ``hooks`` overrides select (sweeps over other keys are left out)."""
-    selecting = [o for o in overrides if o.startswith(("hooks=", "hooks.", "~hooks.", "+hooks"))]
+    """The hook specs the overrides select (``hooks=...``, ``experiment=...``); sweeps and Hydra's own
+    settings are left out of this composition."""
+    fixed = [o for o in overrides if not is_sweep(o) and not o.lstrip("+~").startswith("hydra")]
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        cfg = compose("config", overrides=selecting)
+        cfg = compose("config", overrides=fixed)
     return list(cfg.hooks)
 
 

@@ -33,6 +33,13 @@ class Job:
     summary: dict[str, Any] | None
     error: str | None = None
 
+    def value(self, metric: str) -> Any:
+        """The metric from summary.json, else its last logged value in metrics.jsonl."""
+        if self.summary and metric in self.summary:
+            return self.summary[metric]
+        last = _curve(self, metric)
+        return last[max(last)] if last else None
+
     @property
     def kept(self) -> list[str]:
         """The overrides that define the job's group: all but the seed and run bookkeeping."""
@@ -58,7 +65,7 @@ class Group:
     def values(self, metric: str) -> list[float]:
         out = []
         for job in self.jobs:
-            v = (job.summary or {}).get(metric)
+            v = job.value(metric)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 out.append(float(v))
         return out
@@ -120,14 +127,14 @@ def _curve(job: Job, metric: str) -> dict[int, float]:
     return out
 
 
-def plot(groups: list[Group], out: Path) -> Path:
+def plot(groups: list[Group], out: Path, curves: tuple[str, ...] = CURVES) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(6 * len(CURVES), 4.5), dpi=100)
-    for ax, metric in zip(axes, CURVES, strict=True):
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), dpi=100, squeeze=False)
+    for ax, metric in zip(axes[0], curves, strict=True):
         for g in groups:
             curves = [_curve(j, metric) for j in g.jobs]
             steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
@@ -151,7 +158,8 @@ def plot(groups: list[Group], out: Path) -> Path:
     return out
 
 
-def report(roots: list[Path], out_dir: Path | None = None) -> tuple[str, list[Group], list[Job]]:
+def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, ...] = METRICS,
+           curves: tuple[str, ...] = CURVES) -> tuple[str, list[Group], list[Job]]:
     """Build the report; returns the markdown, the groups (finished jobs) and the jobs left out."""
     jobs = find_jobs(roots)
     if not jobs:
@@ -170,7 +178,7 @@ def report(roots: list[Path], out_dir: Path | None = None) -> tuple[str, list[Gr
             "final and best metrics, mean ± std over the group's jobs."]
     if common:
         text += ["", "Common to every job: `" + " ".join(sorted(common)) + "`"]
-    text += ["", table(groups)]
+    text += ["", table(groups, metrics)]
     if left_out:
         text += ["", f"Left out ({len(left_out)} failed or incomplete):", ""]
         text += [f"- `{j.path}` ({j.group(common)}, seed {j.seed}): {j.error}" for j in left_out]
@@ -178,7 +186,7 @@ def report(roots: list[Path], out_dir: Path | None = None) -> tuple[str, list[Gr
     out_dir = out_dir or roots[0]
     (out_dir / "report.md").write_text(markdown)
     if groups:
-        plot(groups, out_dir / "report.png")
+        plot(groups, out_dir / "report.png", curves)
     return markdown, groups, left_out
 
 
@@ -188,8 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("dirs", nargs="+", type=Path, help="a multirun directory, or run directories")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and report.png go (default: "
                         "the first directory)")
+    parser.add_argument("--metrics", default=",".join(METRICS), help="table columns (final values), comma-separated")
+    parser.add_argument("--curves", default=",".join(CURVES), help="plotted metrics, comma-separated")
     args = parser.parse_args(argv)
-    markdown, _, _ = report(args.dirs, args.out)
+    markdown, _, _ = report(args.dirs, args.out, tuple(args.metrics.split(",")), tuple(args.curves.split(",")))
     print(markdown)
     print(f"wrote {(args.out or args.dirs[0]) / 'report.md'} and report.png", file=sys.stderr)
 

@@ -4,6 +4,7 @@ step; typos and wrong types fail at compose time."""
 from __future__ import annotations
 
 from importlib import resources
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -105,3 +106,34 @@ def test_typos_fail_at_compose(override, pattern):
     with pytest.raises(ConfigCompositionException) as e:
         compose("config", overrides=overrides)
     assert pattern in str(e.value) + str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes_and_passes_the_dry_run(experiment):
+    cfg = compose("config", overrides=[f"experiment={experiment}"])
+    assert cfg.logger.group == experiment  # each study groups its W&B runs
+    net = instantiate(cfg.model)
+    opt = instantiate(cfg.optim)(params=net.parameters())
+    train_loader, _ = instantiate(cfg.data.dataset).loaders(cfg.data.batch_size, 0)
+    report = validate(net, OmegaConf.to_container(cfg.hooks, resolve=True), next(iter(train_loader)), opt)
+    assert report.ok and report.rows, report.errors
+
+
+def test_there_are_three_studies_with_their_results():
+    from pathlib import Path
+
+    root = Path(__file__).parents[1] / "experiments"
+    for study in options("experiment"):
+        readme = (root / study / "README.md").read_text()
+        assert "**Question.**" in readme and "**Reproduce**" in readme and f"experiment={study}" in readme
+        table = [line for line in (root / study / "report.md").read_text().splitlines() if line.startswith("| ")]
+        assert all(line in readme for line in table)  # the README shows the report's table verbatim
+        assert (root / study / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(options("experiment")) >= 3
+
+
+@pytest.mark.skipif(find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="extra .[sweeps] not installed")
+@pytest.mark.parametrize("sweep", options("sweep"))
+def test_every_sweep_composes(sweep):
+    cfg = compose("config", overrides=[f"sweep={sweep}"], return_hydra_config=True)
+    assert cfg.hydra.sweeper.params

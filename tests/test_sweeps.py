@@ -148,3 +148,12 @@ def test_the_command_a_wandb_agent_builds_runs(workdir):
     assert done.returncode == 0, done.stderr[-2000:]
     config = json.loads((workdir / "run" / "manifest.json").read_text())["config"]
     assert config["optim"]["lr"] == 0.0123 and config["seed"] == 2
+
+
+def test_ablate_finds_specs_selected_by_an_experiment_and_ignores_sweeps():
+    from hookexp.ablate import is_sweep, spec_names
+
+    assert is_sweep("seed=0,1,2") and is_sweep("hooks=[a,b],[c]")
+    assert not is_sweep("hooks=[clamp_conv,zero_fc_bias]") and not is_sweep("hooks.x.args={min:0,max:1}")
+    assert spec_names(["experiment=seed_hooks", "seed=0,1,2", "hydra.sweep.dir=x"]) == ["clamp_conv", "zero_fc_bias"]
+    assert spec_names(["hooks=[grad_noise,sign_grad]", "optim.lr=0.1,0.01"]) == ["grad_noise", "sign_grad"]
