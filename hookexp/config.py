@@ -73,6 +73,7 @@ class LoggerConfig:
     job_type: str = "train"
     name: Optional[str] = None  # noqa: UP045
     tags: list[str] = field(default_factory=list)
+    init_timeout: float = 30.0  # seconds to reach the W&B server in online mode before logging offline
 
 
 @dataclass

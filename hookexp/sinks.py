@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hookexp.errors import ConfigError
+
 log = logging.getLogger("hookexp.sinks")
 
 STEP_KEY = "trainer/step"
@@ -50,6 +52,16 @@ class LocalFiles:
         (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+def check_logger(cfg: Mapping[str, Any]) -> None:
+    """Refuse an unknown backend or mode before anything is built or written."""
+    if cfg.get("backend") not in ("wandb", "none"):
+        raise ConfigError(f"unknown logger backend {cfg.get('backend')!r}. Use wandb or none (local files are "
+                          "always written).", key="logger.backend")
+    if cfg.get("mode") not in ("offline", "online", "disabled"):
+        raise ConfigError(f"unknown W&B mode {cfg.get('mode')!r}. Use offline, online or disabled.",
+                          key="logger.mode")
+
+
 Histograms = Mapping[str, tuple[list[float], float, float]]  # key -> (counts, lo, hi)
 
 
@@ -78,7 +90,8 @@ class WandbSink:
         )
         mode = cfg.get("mode", "offline")
         try:
-            self.run = wandb.init(mode=mode, **kwargs)
+            settings = wandb.Settings(init_timeout=float(cfg.get("init_timeout", 30.0)))
+            self.run = wandb.init(mode=mode, settings=settings, **kwargs)
         except Exception as e:
             if mode != "online":
                 raise

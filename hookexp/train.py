@@ -29,7 +29,7 @@ from hookexp.engine import HookHandle, attach, explain_torch_error
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.manifest import build_manifest, write_json
 from hookexp.plots import plot_grad_norms
-from hookexp.sinks import LocalFiles, Sinks, WandbSink
+from hookexp.sinks import LocalFiles, Sinks, WandbSink, check_logger
 from hookexp.stats import ActivationStats, GradStats
 from hookexp.validate import validate
 
@@ -150,6 +150,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     Returns the summary (final and best metrics).
     """
+    check_logger(cfg.logger)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     run = build_run(cfg)

@@ -118,3 +118,21 @@ def test_without_wandb_the_local_files_are_still_written(args, workdir):
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (workdir / "run" / "wandb").exists()
     assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 2, 2]
+
+
+def test_unreachable_wandb_server_falls_back_to_offline_and_training_goes_on(workdir, monkeypatch):
+    # a closed port on this machine: nothing listens on 127.0.0.1:9 (discard)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    done = run_cli(["logger.mode=online", "logger.init_timeout=3", "trainer.max_steps=3", "hydra.run.dir=run"],
+                   workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "W&B online init failed" in done.stderr and "logging offline under" in done.stderr
+    run = wandb_summary(workdir / "run")
+    assert run["state"] == "finished" and run["summary"]["trainer/steps"] == 3
+
+
+def test_unknown_wandb_mode_is_refused(workdir):
+    done = run_cli(["logger.mode=ofline", "trainer.max_steps=2", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2
+    assert "hookexp: error: logger.mode: unknown W&B mode 'ofline'. Use offline, online or disabled." in done.stderr
