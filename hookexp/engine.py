@@ -142,7 +142,7 @@ class SpecBinding:
                 spec=self.spec.name, field="transform")
         if y is x:
             if self.clock.measuring:
-                self._count_unchanged(x)
+                self.measure(x, x)
             return x
         if not isinstance(y, torch.Tensor):
             raise TransformOutputError(
@@ -158,9 +158,6 @@ class SpecBinding:
         if self.clock.measuring:
             self.measure(x, y)
         return y
-
-    def _count_unchanged(self, x: torch.Tensor) -> None:
-        self.measure(x, x)
 
     def measure(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Accumulate what the hook did to one tensor, on device (read back by ``HookHandle.stats``)."""

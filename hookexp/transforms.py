@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hookexp.errors import SpecError, TransformArgsError
+from hookexp.errors import SpecError, TransformArgsError, did_you_mean
 
 log = logging.getLogger("hookexp.transforms")
 
@@ -417,7 +417,7 @@ def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, ski
         if key not in allowed:
             listing = ", ".join(allowed) if allowed else "none"
             raise TransformArgsError(
-                f"transform {name!r} has no argument {key!r}.{' ' + _dym(key, allowed) if allowed else ''} "
+                f"transform {name!r} has no argument {key!r}.{did_you_mean(key, allowed)} "
                 f"Its arguments: {listing}.",
                 spec=spec,
                 field=f"args.{key}",
@@ -431,12 +431,6 @@ def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, ski
             spec=spec,
             field="args",
         )
-
-
-def _dym(word: str, options: list[str]) -> str:
-    from hookexp.errors import did_you_mean
-
-    return did_you_mean(word, options).strip()
 
 
 def bind_transform(transform: str | Mapping[str, Any], args: Mapping[str, Any], spec: str) -> BoundTransform:
