@@ -43,6 +43,7 @@ class DataConfig:
     num_classes: int = MISSING
     batch_size: int = 64
     eval_batch_size: int = 512
+    num_workers: int = 0  # DataLoader worker processes (seeded); 0 loads in the training process
     dataset: dict[str, Any] = MISSING  # {_target_: hookexp.data.digits, ...}
 
 

@@ -28,6 +28,17 @@ class TensorSet(Dataset):
         return self.x[index], self.y[index]
 
 
+def seed_worker(worker_id: int) -> None:
+    """Seed python's and numpy's generators in a DataLoader worker from torch's per-worker seed."""
+    import random
+
+    import numpy as np
+
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def _whole_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch
 
@@ -37,12 +48,19 @@ class DataSplits:
     train: TensorSet
     val: TensorSet
 
-    def loaders(self, batch_size: int, seed: int, eval_batch_size: int = 512) -> tuple[DataLoader, DataLoader]:
-        """A seeded shuffling loader for training and an ordered one for validation."""
+    def loaders(self, batch_size: int, seed: int, eval_batch_size: int = 512,
+                num_workers: int = 0) -> tuple[DataLoader, DataLoader]:
+        """A seeded shuffling loader for training and an ordered one for validation.
+
+        The shuffling order comes from a generator seeded with ``seed``; worker processes (if any)
+        get torch seeds derived from it by torch, and python/numpy seeds by :func:`seed_worker`.
+        """
         gen = torch.Generator().manual_seed(seed)
+        workers = {"num_workers": num_workers, "worker_init_fn": seed_worker,
+                   "persistent_workers": num_workers > 0}
         train = DataLoader(self.train, batch_size=batch_size, shuffle=True, generator=gen,
-                           collate_fn=_whole_batch)
-        val = DataLoader(self.val, batch_size=eval_batch_size, shuffle=False, collate_fn=_whole_batch)
+                           collate_fn=_whole_batch, **workers)
+        val = DataLoader(self.val, batch_size=eval_batch_size, shuffle=False, collate_fn=_whole_batch, **workers)
         return train, val
 
 

@@ -116,7 +116,8 @@ def build_run(cfg: DictConfig) -> Run:
     seed_everything(cfg.seed, cfg.repro.deterministic)
     device = pick_device(cfg.trainer.device)
     splits = build(cfg.data.dataset, "data.dataset")
-    train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size)
+    train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size,
+                                              cfg.data.num_workers)
     model = build(cfg.model, "model").to(device)
     optimizer = build(cfg.optim, "optim")(params=model.parameters())
     total_steps = cfg.trainer.epochs * len(train_loader)

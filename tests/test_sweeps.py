@@ -34,6 +34,10 @@ def test_same_config_and_seed_give_identical_metrics(workdir):
     assert done.returncode == 0
     other = without_timing(workdir / "c" / "metrics.jsonl")
     assert [r.get("train/loss") for r in other] != [r.get("train/loss") for r in first]
+    done = run_cli(["hooks=[clamp_conv,grad_noise]", "repro.deterministic=true", "data.num_workers=2", *FAST,
+                    "hydra.run.dir=w"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert without_timing(workdir / "w" / "metrics.jsonl") == first  # worker processes change nothing
     manifest = json.loads((workdir / "a" / "manifest.json").read_text())
     assert {"commit", "dirty"} <= set(manifest["git"]) and manifest["host"] and manifest["seed"] == 0
     assert manifest["config"]["repro"]["deterministic"] is True
