@@ -24,8 +24,9 @@ ACT_STATS = ("mean", "std", "frac_zero")
 
 
 def _match(model: nn.Module, pattern: str, what: str, key: str) -> list[tuple[str, Any]]:
+    """Resolve a ``stats.*`` pattern with the hook target grammar; errors name the stats key."""
     spec = HookSpec(name=key, target=pattern, kind="grad" if what == "parameter" else "forward")
-    return [(t.name, t.obj) for t in resolve(model, spec, what)]  # type: ignore[arg-type]
+    return [(t.name, t.obj) for t in resolve(model, spec, what, config_key=key)]  # type: ignore[arg-type]
 
 
 @dataclass

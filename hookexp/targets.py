@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from hookexp.errors import SpecError, TargetError, did_you_mean
+from hookexp.errors import ConfigError, SpecError, TargetError, did_you_mean
 from hookexp.specs import HookSpec
 
 TargetKind = Literal["module", "parameter"]
@@ -96,10 +96,12 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(owner_name) if owner_name else model
 
 
-def resolve(model: nn.Module, spec: HookSpec, what: TargetKind) -> list[Target]:
+def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str | None = None) -> list[Target]:
     """The targets ``spec`` names in ``model``; raises :class:`TargetError` when it names nothing.
 
-    ``what`` says whether the spec's kind attaches to modules or to parameters.
+    ``what`` says whether the spec's kind attaches to modules or to parameters. ``config_key``: the
+    pattern is not a hook's but another setting's (``stats.grads``); its errors are
+    :class:`ConfigError` naming that key, without hook advice.
     """
     candidates = module_targets(model) if what == "module" else parameter_targets(model)
     match = compile_pattern(spec.target, spec=spec.name)
@@ -130,16 +132,18 @@ def resolve(model: nn.Module, spec: HookSpec, what: TargetKind) -> list[Target]:
         found = [t for t in found if not any(drop(n) for n in t.names)]
 
     if not found and not spec.optional:
+        if config_key is not None:
+            raise ConfigError(_nothing_matched(model, spec, what, hook=False), key=config_key)
         raise TargetError(_nothing_matched(model, spec, what), spec=spec.name, field="target")
     return found
 
 
-def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind) -> str:
+def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, hook: bool = True) -> str:
     own = [n for t in (module_targets(model) if what == "module" else parameter_targets(model)) for n in t.names]
     other_what: TargetKind = "parameter" if what == "module" else "module"
     other = [n for t in (parameter_targets(model) if what == "module" else module_targets(model)) for n in t.names]
     model_name = type(model).__name__
-    kind_note = f"kind {spec.kind!r} attaches to {what}s"
+    kind_note = f" (kind {spec.kind!r} attaches to {what}s)" if hook else ""
     match = compile_pattern(spec.target, spec=spec.name)
     narrowing = []
     if any(match(n) for n in own):  # the name matched; types/exclude removed everything
@@ -161,12 +165,12 @@ def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind) -> str:
                 f"{spec.target!r} names {other_what}s ({', '.join(hits[:4])}). Target their parameters, "
                 f"e.g. '{hits[0]}.*' or '{hits[0]}.weight'" if hits[0] else "e.g. '*.weight'"
             ) + ", or use a module kind (forward, output_grad, backward, ...)."
-        return f"target {spec.target!r} matches no {what} of {model_name} ({kind_note}). {fix}"
+        return f"target {spec.target!r} matches no {what} of {model_name}{kind_note}. {fix}"
     names = [n for n in own if n]
     hint = did_you_mean(spec.target.removeprefix("re:"), names)
     listing = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    optional = ", or set optional: true if the spec may match nothing" if hook else ""
     return (
-        f"target {spec.target!r} matches no {what} of {model_name}{narrowed} ({kind_note}).{hint} "
-        f"Its {what}s are: {listing}. Fix the name, use a glob ('*.bias') or 're:' pattern, "
-        "or set optional: true if the spec may match nothing."
+        f"target {spec.target!r} matches no {what} of {model_name}{narrowed}{kind_note}.{hint} "
+        f"Its {what}s are: {listing}. Fix the name, use a glob ('*.bias') or 're:' pattern{optional}."
     )

@@ -317,9 +317,9 @@ def _generator(ctx: HookContext, device: torch.device, seed: int | None) -> torc
 
 def _check_noise(std: float = 0.0, gamma: float = 0.0, seed: int | None = None) -> None:
     if not isinstance(std, (int, float)) or std < 0:
-        raise TransformArgsError(f"noise needs std >= 0, got {std!r}.")
+        raise TransformArgsError(f"needs std >= 0, got {std!r}.")
     if not isinstance(gamma, (int, float)) or gamma < 0:
-        raise TransformArgsError(f"noise needs gamma >= 0 (annealing exponent), got {gamma!r}.")
+        raise TransformArgsError(f"needs gamma >= 0 (the annealing exponent), got {gamma!r}.")
 
 
 @register_transform("noise", check=_check_noise)

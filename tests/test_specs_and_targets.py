@@ -115,7 +115,7 @@ def test_unknown_type_lists_classes():
         ({"target": "conv1", "kind": "forward", "transform": "scale"}, TransformArgsError,
          r"hooks\.s\.args: transform 'scale' needs the argument\(s\) factor"),
         ({"target": "conv1", "kind": "forward", "transform": "noise", "args": {"std": -1}}, TransformArgsError,
-         r"noise needs std >= 0"),
+         r"hooks\.s\.args: transform 'noise' needs std >= 0, got -1\."),
         ({"target": "conv1", "kind": "forward", "transform": "clamp", "args": {"min": 1, "max": 0}},
          TransformArgsError, r"has min \(1\) greater than max \(0\)"),
         ({"target": "conv1", "kind": "forward", "transform": "mask", "args": {}}, TransformArgsError,

@@ -72,6 +72,17 @@ def test_pattern_and_missing_grads():
     assert GradStats(m, None).compute() is None
 
 
+def test_a_pattern_that_matches_nothing_names_the_stats_key():
+    from hookexp import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        GradStats(nn.Sequential(nn.Linear(2, 2)), "fc9.*")
+    assert str(e.value).startswith("stats.grads: target 'fc9.*' matches no parameter of Sequential. Its parameters")
+    assert "optional" not in str(e.value) and "kind" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^stats\.activations: target 'rleu\*' matches no module"):
+        ActivationStats(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "rleu*")
+
+
 def test_activation_stats_only_while_begun():
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     acts = ActivationStats(m, "1")
