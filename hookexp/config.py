@@ -54,6 +54,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     progress: bool = True  # a tqdm progress bar on stderr
     save_records: bool = True  # write what `record` transforms kept to records/<spec>.pt
+    nan_policy: str = "raise"  # raise | skip_step | warn | off: what a NaN/Inf loss or gradient does
 
 
 @dataclass

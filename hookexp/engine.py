@@ -323,8 +323,8 @@ class HookHandle:
         state = "removed" if self.removed else f"{len(self._torch_handles) + len(self._pre_step)} hooks"
         return f"HookHandle({', '.join(b.spec.name for b in self.bindings)}; {state})"
 
-    # -- internals ------------------------------------------------------------------------------
-    def _advance(self, *_: Any) -> None:
+    def advance(self, *_: Any) -> None:
+        """Move to the next training step (the optimizer's post-step hook calls it)."""
         self.set_step(self.clock.step + 1)
 
     def _run_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -423,7 +423,7 @@ def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer 
                 for target in binding.targets:
                     handle._torch_handles.extend(binding.kind.attach(binding, target, handle))
         if optimizer is not None:
-            handle._torch_handles.append(optimizer.register_step_post_hook(handle._advance))
+            handle._torch_handles.append(optimizer.register_step_post_hook(handle.advance))
     except BaseException:
         handle.remove()
         raise

@@ -27,6 +27,8 @@ from tqdm import tqdm
 
 from hookexp.engine import HookHandle, attach, explain_torch_error
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
+from hookexp.guard import NonFiniteGuard
+from hookexp.guard import as_dict as guard_summary
 from hookexp.manifest import build_manifest, write_json
 from hookexp.plots import plot_grad_norms
 from hookexp.sinks import LocalFiles, Sinks, WandbSink, check_logger
@@ -165,6 +167,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if every < 1:
         hooks.remove()
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
+    guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks)
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
     act_stats = ActivationStats(model, cfg.stats.activations, cfg.stats.hist_bins)
 
@@ -217,7 +220,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     loss.backward()
                 except RuntimeError as e:
                     raise (explain_torch_error(e, hooks) or e) from e
-                optimizer.step()
+                if guard.check(loss, step):
+                    optimizer.step()
+                else:
+                    optimizer.zero_grad(set_to_none=True)
+                    hooks.advance()  # a skipped step still counts for the hooks' schedules
 
                 loss_sum += loss.detach()
                 correct += (logits.detach().argmax(dim=1) == y).sum()
@@ -265,7 +272,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary.update({
             "val/acc_best": best_acc if best_acc > float("-inf") else None,
             "trainer/steps": step, "trainer/epochs": epoch if step else 0, "status": "failed" if failed else "finished",
-            "runtime_s": time.perf_counter() - started,
+            "runtime_s": time.perf_counter() - started, **guard_summary(guard),
             **{f"hook/{b.spec.name}/calls": b.calls for b in hooks.bindings},
         })
         if cfg.trainer.save_records:

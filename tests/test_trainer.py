@@ -88,3 +88,36 @@ def test_plot_and_histograms_reach_the_files_and_wandb(tmp_path: Path):
     assert sum(hist[0]["act/relu1/hist.values"]) == 64 * 16 * 8 * 8
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["perf/train_loop_s"] > 0
+
+
+NAN_AT_3 = ["hooks=zero_fc_bias", "hooks.zero_fc_bias.transform={_target_:user_transforms.make_nan}",
+            "hooks.zero_fc_bias.start_step=3", "hooks.zero_fc_bias.end_step=4", "trainer.max_steps=8"]
+
+
+def test_nan_policy_raise_names_step_parameters_and_hooks(tmp_path: Path):
+    from hookexp.guard import NonFiniteError
+
+    with pytest.raises(NonFiniteError) as e:
+        train(config(*NAN_AT_3), tmp_path)
+    message = str(e.value)
+    # NaN gradients at step 3 become NaN biases, and the loss of step 4 is NaN
+    assert message.startswith("non-finite values at step 4: loss nan; parameters: ")
+    assert message.startswith("non-finite values at step 4: loss nan; parameters: fc1.bias (value and gradient), "
+                              "fc2.bias (value and gradient), conv1.weight (gradient)")
+    assert "hooks touching them: zero_fc_bias (grad user_transforms.make_nan on fc1.bias)" in message
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_nan_policy_skip_step_skips_and_goes_on(tmp_path: Path):
+    summary = train(config(*NAN_AT_3, "trainer.nan_policy=skip_step"), tmp_path)
+    assert summary["status"] == "finished" and summary["guard/skipped_steps"] == 1
+    assert summary["trainer/steps"] == 8
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert all(isinstance(r["train/loss"], float) for r in rows)  # finite: "nan" would be a string
+
+
+def test_nan_policy_unknown_is_refused(tmp_path: Path):
+    from hookexp import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^trainer\.nan_policy: unknown policy 'skip'\. Use one of: raise"):
+        train(config("trainer.nan_policy=skip", "trainer.max_steps=2"), tmp_path)
