@@ -82,6 +82,10 @@ def run(cfg: DictConfig) -> Any:
     if cfg.get("dry_run"):
         return dry_run(cfg, run_dir)
     summary = train(cfg, run_dir)
+    if summary["status"] == "interrupted":
+        print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
+              f"continue with: resume=true hydra.run.dir={run_dir}", file=sys.stderr)
+        sys.exit(128 + summary["signal"])
     log.info("finished: %s", ", ".join(f"{k}={v:.4f}" for k, v in summary.items()
                                         if k.startswith(("train/", "val/")) and isinstance(v, float)))
     return summary.get("val/acc")

@@ -300,6 +300,35 @@ class HookHandle:
             })
         return rows
 
+    def state_dict(self) -> dict[str, Any]:
+        """The step, each spec's counters and its transform's generators: what a checkpoint keeps so
+        that a resumed run's hooks act (and draw noise) exactly as an uninterrupted run's would."""
+        specs = {}
+        for b in self.bindings:
+            state = b.transform.state
+            specs[b.spec.name] = {
+                "calls": b.calls, "calls_by_target": dict(b.calls_by_target), "calls_last_step": b.calls_last_step,
+                "generators": {k: v.get_state() for k, v in state.items() if isinstance(v, torch.Generator)},
+                "seed": state.get("seed"),
+            }
+        return {"step": self.clock.step, "specs": specs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clock.step = int(state["step"])
+        for b in self.bindings:
+            saved = state["specs"].get(b.spec.name)
+            if saved is None:
+                continue
+            b.calls = b._calls_at_step_start = int(saved["calls"])
+            b.calls_by_target = Counter(saved["calls_by_target"])
+            b.calls_last_step = int(saved["calls_last_step"])
+            if saved.get("seed") is not None:
+                b.transform.state["seed"] = saved["seed"]
+            for key, gen_state in saved["generators"].items():
+                gen = torch.Generator(device=key.split(":", 1)[1])
+                gen.set_state(gen_state)
+                b.transform.state[key] = gen
+
     def remove(self) -> None:
         """Remove every hook this handle attached (and only those). Safe to call more than once."""
         for b in self.bindings:

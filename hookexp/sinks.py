@@ -35,12 +35,14 @@ class LocalFiles:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.lines = len(self.metrics_path.read_text().splitlines()) if self.metrics_path.exists() else 0
         self._file = self.metrics_path.open("a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         row = {STEP_KEY: step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        self.lines += 1
 
     def close(self) -> None:
         if not self._file.closed:
@@ -79,7 +81,7 @@ class WandbSink:
     QUEUE_SIZE = 32
 
     def __init__(self, run_dir: Path, cfg: Mapping[str, Any], config: dict[str, Any], tags: list[str],
-                 hooks_table: list[dict[str, Any]]):
+                 hooks_table: list[dict[str, Any]], run_id: str | None = None):
         import wandb
 
         self._wandb = wandb
@@ -88,6 +90,8 @@ class WandbSink:
             job_type=cfg.get("job_type"), name=cfg.get("name"), tags=tags, config=config,
             dir=str(run_dir), reinit="finish_previous",
         )
+        if run_id is not None:  # a resumed run continues its W&B run
+            kwargs.update(id=run_id, resume="allow")
         mode = cfg.get("mode", "offline")
         try:
             settings = wandb.Settings(init_timeout=float(cfg.get("init_timeout", 30.0)))
@@ -110,6 +114,10 @@ class WandbSink:
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name="hookexp-wandb", daemon=True)
         self._worker.start()
+
+    @property
+    def run_id(self) -> str:
+        return str(self.run.id)
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:

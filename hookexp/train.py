@@ -12,8 +12,10 @@ import inspect
 import logging
 import os
 import random
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from hookexp import checkpoint
 from hookexp.engine import HookHandle, attach, explain_torch_error
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.guard import NonFiniteGuard
@@ -154,6 +157,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     Returns the summary (final and best metrics).
     """
     check_logger(cfg.logger)
+    ckpt_path = checkpoint.resolve(cfg.get("resume"), run_dir)
+    resumed = checkpoint.load(ckpt_path) if ckpt_path is not None else None  # a bad checkpoint fails first
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     run = build_run(cfg)
@@ -170,16 +175,34 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks)
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
     act_stats = ActivationStats(model, cfg.stats.activations, cfg.stats.hist_bins)
+    loop = LoopState()
+    if resumed is not None:
+        try:
+            model.load_state_dict(resumed["model"])
+            optimizer.load_state_dict(resumed["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            hooks.remove()
+            raise ConfigError(f"the checkpoint {ckpt_path} does not fit this model/optimizer ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]}). Resume with the config it was written with.",
+                              key="resume") from None
+        hooks.load_state_dict(resumed["hooks"])
+        checkpoint.set_rng_state(resumed["rng"])
+        loop = LoopState(**resumed["loop"])
 
     # -- outputs: manifest first, so that even a failed run says what it was --------------------------
     config = OmegaConf.to_container(cfg, resolve=True)
     table = hooks.table()
     write_json(run_dir / "manifest.json", build_manifest(config, table, cfg.seed, Path.cwd()))
+    if resumed is not None:  # keep exactly the lines written before the checkpoint
+        previous = ckpt_path.parent.parent / "metrics.jsonl"
+        lines = previous.read_text().splitlines(keepends=True)[:resumed["metrics_lines"]] if previous.exists() else []
+        (run_dir / "metrics.jsonl").write_text("".join(lines))
     local = LocalFiles(run_dir)
     wandb_sink = None
     if cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
         tags = list(cfg.logger.tags) + [b.spec.name for b in hooks.bindings if b.spec.enabled]
-        wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, table)
+        wandb_id = resumed.get("wandb_id") if resumed is not None else None
+        wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, table, run_id=wandb_id)
     sinks = Sinks(local, wandb_sink)
 
     # Gradient statistics see the final .grad right before the update: registered after attach(), this
@@ -192,21 +215,44 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     stats_handle = optimizer.register_step_pre_hook(capture_grad_stats)
 
-    summary: dict[str, Any] = {}
-    failed = True
-    step = 0
-    best_acc = float("-inf")
+    summary: dict[str, Any] = dict(loop.summary)
+    status = "failed"
+    step, epoch, best_acc = loop.step, loop.epoch, loop.best_acc
+    stop = StopSignal()
+
+    def save_checkpoint() -> Path:
+        path = run_dir / "checkpoints" / "last.pt"
+        checkpoint.save(path, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hooks": hooks.state_dict(),
+            "rng": checkpoint.rng_state(), "metrics_lines": local.lines,
+            "wandb_id": wandb_sink.run_id if wandb_sink else None,
+            "loop": {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "epoch_rng": epoch_rng,
+                     "loss_sum": loss_sum.item(), "correct": int(correct.item()), "seen": seen, "batches": batches,
+                     "last_log_step": last_log_step, "best_acc": best_acc, "summary": summary},
+        })
+        return path
+
     try:
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device, dtype=torch.long)
-        seen = batches = 0
-        last_log_time, last_log_step = time.perf_counter(), 0
+        stop.install()
+        loss_sum = torch.tensor(loop.loss_sum, device=device)
+        correct = torch.tensor(loop.correct, device=device, dtype=torch.long)
+        seen, batches = loop.seen, loop.batches
+        last_log_time, last_log_step = time.perf_counter(), loop.last_log_step
         loop_started, eval_s = time.perf_counter(), 0.0
-        bar = tqdm(total=total_steps, disable=not cfg.trainer.progress, desc="train", unit="step", leave=False)
+        bar = tqdm(total=total_steps, initial=step, disable=not cfg.trainer.progress, desc="train", unit="step",
+                   leave=False)
         model.train()
-        epoch = 0
-        while step < total_steps:
+        skip = loop.batch_in_epoch
+        while step < total_steps and status != "interrupted":
+            # The data order of an epoch follows from this generator state: a checkpoint keeps it.
+            if loop.epoch_rng is not None and skip:
+                train_loader.generator.set_state(loop.epoch_rng)
+            epoch_rng = train_loader.generator.get_state()
+            batch_in_epoch = 0
             for x, y in train_loader:
+                if batch_in_epoch < skip:  # resuming mid-epoch: these batches were trained on already
+                    batch_in_epoch += 1
+                    continue
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 log_now = step % every == 0 or step == total_steps - 1
                 hooks.measuring = captured["now"] = log_now
@@ -254,8 +300,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     seen = batches = 0
                 bar.update(1)
                 step += 1
+                batch_in_epoch += 1
+                if stop.signum is not None:
+                    path = save_checkpoint()
+                    log.warning("stopped by signal %d after step %d; checkpoint %s; continue with resume=true "
+                                "hydra.run.dir=%s", stop.signum, step, path, run_dir)
+                    status = "interrupted"
+                    break
+                if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+                    save_checkpoint()
                 if step >= total_steps:
                     break
+            skip = 0
+            if status == "interrupted":
+                break
             epoch += 1
             eval_started = time.perf_counter()
             val = evaluate(model, val_loader, device)
@@ -265,13 +323,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             summary.update(val)
         bar.close()
         summary["perf/train_loop_s"] = time.perf_counter() - loop_started - eval_s  # training steps only
-        failed = False
+        if status != "interrupted":
+            status = "finished"
     finally:
+        stop.restore()
         stats_handle.remove()
         hooks.remove()
         summary.update({
-            "val/acc_best": best_acc if best_acc > float("-inf") else None,
-            "trainer/steps": step, "trainer/epochs": epoch if step else 0, "status": "failed" if failed else "finished",
+            "val/acc_best": best_acc if best_acc > float("-inf") else None, "signal": stop.signum,
+            "trainer/steps": step, "trainer/epochs": epoch if step else 0, "status": status,
             "runtime_s": time.perf_counter() - started, **guard_summary(guard),
             **{f"hook/{b.spec.name}/calls": b.calls for b in hooks.bindings},
         })
@@ -284,8 +344,48 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 wandb_sink.log_image("plots/grad_norms", plot)
         except Exception as e:
             log.warning("could not plot the gradient norms: %s: %s", type(e).__name__, e)
-        sinks.finish(summary, failed)
+        sinks.finish(summary, status == "failed")
     return summary
+
+
+@dataclass
+class LoopState:
+    """Where the loop is: a new run starts at zero, a resumed one where its checkpoint stopped."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    epoch_rng: torch.Tensor | None = None
+    loss_sum: float = 0.0
+    correct: int = 0
+    seen: int = 0
+    batches: int = 0
+    last_log_step: int = 0
+    best_acc: float = float("-inf")
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class StopSignal:
+    """SIGTERM / SIGINT set a flag that the loop checks after each step: it saves a checkpoint and stops
+    cleanly instead of dying mid-step. Installed only in the main thread (signals are delivered there)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 def _save_records(hooks: HookHandle, run_dir: Path) -> None:

@@ -92,7 +92,7 @@ def test_every_option_of_plain_groups_composes(group):
     [
         ("trainer.epoch=3", "Key 'epoch' not in 'TrainerConfig'"),
         ("trainer.epochs=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
-        ("hooks.clamp_conv.enabld=false", "Key 'enabld' not in 'HookSpecConfig'"),
+        ("hooks.clamp_conv.enabld=false", "Could not override 'hooks.clamp_conv.enabld'"),
         ("stats.evry=5", "Key 'evry' not in 'StatsConfig'"),
         ("logger.mode=1.5", None),  # a str field takes it; the run refuses the mode (test_cli)
         ("hooks=does_not_exist", "Could not find 'hooks/does_not_exist'"),

@@ -29,3 +29,11 @@ def to_double(x, ctx):
 
 def make_nan(x, ctx):
     return x * float("nan")
+
+
+def slow(x, ctx, seconds: float = 0.003):
+    """Changes nothing; makes a run slow enough to interrupt at a chosen point."""
+    import time
+
+    time.sleep(seconds)
+    return x
