@@ -27,11 +27,12 @@ class NonFiniteError(HookexpError, FloatingPointError):
 
 
 class NonFiniteGuard:
-    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle):
+    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle, check_grads: bool = True):
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.",
                               key="trainer.nan_policy")
         self.policy = policy
+        self.check_grads = check_grads
         self.model = model
         self.hooks = hooks
         self.skipped = 0
@@ -48,7 +49,7 @@ class NonFiniteGuard:
         if self.policy == "off":
             return True
         finite = bool(torch.isfinite(loss.detach()).all())
-        if finite and self.policy == "skip_step":
+        if finite and self.policy == "skip_step" and self.check_grads:
             finite = self.grads_finite()
         if finite:
             return True

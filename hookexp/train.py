@@ -8,6 +8,7 @@ the optimizer step whose gradients are described; val metrics are measured after
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -172,7 +173,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if every < 1:
         hooks.remove()
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
-    guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks)
+    amp = MixedPrecision(cfg.trainer.precision, device, hooks)
+    # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
+    guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None)
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
     act_stats = ActivationStats(model, cfg.stats.activations, cfg.stats.hist_bins)
     loop = LoopState()
@@ -260,17 +263,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     act_stats.begin()
 
                 try:
-                    logits = model(x)
-                    loss = F.cross_entropy(logits, y)
+                    with amp.autocast():
+                        logits = model(x)
+                        loss = F.cross_entropy(logits, y)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    amp.backward(loss)
                 except RuntimeError as e:
                     raise (explain_torch_error(e, hooks) or e) from e
+                amp.unscale(optimizer)  # pre_step hooks, the guard and the statistics see true gradients
                 if guard.check(loss, step):
-                    optimizer.step()
+                    amp.step(optimizer)
                 else:
                     optimizer.zero_grad(set_to_none=True)
-                    hooks.advance()  # a skipped step still counts for the hooks' schedules
+                hooks.set_step(step + 1)  # also when a step was skipped (guard, or fp16 overflow)
 
                 loss_sum += loss.detach()
                 correct += (logits.detach().argmax(dim=1) == y).sum()
@@ -346,6 +351,49 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             log.warning("could not plot the gradient norms: %s: %s", type(e).__name__, e)
         sinks.finish(summary, status == "failed")
     return summary
+
+
+class MixedPrecision:
+    """``trainer.precision``: autocast in bf16 or fp16; fp16 scales the loss with a GradScaler and
+    unscales the gradients before ``optimizer.step()``, so that ``pre_step`` hooks and the statistics
+    see true gradients. ``grad``-kind hooks run inside backward and see scaled ones: a value-dependent
+    transform there gets a warning naming ``pre_step``."""
+
+    VALUE_DEPENDENT = ("clamp", "clip_norm", "quantize", "add", "noise", "replace")
+
+    def __init__(self, precision: str, device: torch.device, hooks: HookHandle):
+        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if precision not in dtypes:
+            raise ConfigError(f"unknown precision {precision!r}. Use fp32, bf16 or fp16.", key="trainer.precision")
+        self.device_type = device.type
+        self.dtype = dtypes[precision]
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        if self.scaler is not None:
+            for b in hooks.bindings:
+                if b.spec.kind in ("grad", "output_grad", "backward", "backward_pre", "node", "node_pre",
+                                   "post_accumulate") and b.transform.name in self.VALUE_DEPENDENT:
+                    log.warning("hooks.%s: with trainer.precision=fp16 the gradients a %r hook sees are multiplied "
+                                "by the GradScaler's scale, so %r acts on scaled values. Use kind 'pre_step' to "
+                                "act on the unscaled gradient.", b.spec.name, b.spec.kind, b.transform.name)
+
+    def autocast(self) -> Any:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)  # skips the update (and the hooks' step) when gradients overflowed
+        self.scaler.update()
 
 
 @dataclass

@@ -121,3 +121,32 @@ def test_nan_policy_unknown_is_refused(tmp_path: Path):
 
     with pytest.raises(ConfigError, match=r"^trainer\.nan_policy: unknown policy 'skip'\. Use one of: raise"):
         train(config("trainer.nan_policy=skip", "trainer.max_steps=2"), tmp_path)
+
+
+def test_bf16_autocast_trains_small_cnn_with_clamp_conv(tmp_path: Path):
+    summary = train(config("hooks=clamp_conv", "trainer.precision=bf16"), tmp_path)
+    assert summary["status"] == "finished" and summary["val/acc"] > 0.85
+
+
+def test_fp16_grad_scaler_pre_step_and_statistics_see_unscaled_gradients(tmp_path: Path, caplog):
+    import torch
+
+    record = ["+hooks.seen={target:fc2.bias,kind:pre_step,transform:record}", "trainer.max_steps=1"]
+    with caplog.at_level("WARNING"):
+        train(config("hooks=clamp_conv", "trainer.precision=fp16", *record), tmp_path / "fp16")
+    train(config("hooks=clamp_conv", *record), tmp_path / "fp32")
+    assert any("hooks.clamp_conv: with trainer.precision=fp16" in r.getMessage() and "Use kind 'pre_step'" in
+               r.getMessage() for r in caplog.records)
+    fp16 = torch.load(tmp_path / "fp16" / "records" / "seen.pt", weights_only=True)[0]["value"]
+    fp32 = torch.load(tmp_path / "fp32" / "records" / "seen.pt", weights_only=True)[0]["value"]
+    assert torch.allclose(fp16, fp32, rtol=2e-2, atol=1e-4)  # not multiplied by the scale (65536)
+    (row16,) = [r for r in read_jsonl(tmp_path / "fp16" / "metrics.jsonl") if "grad/fc2.bias/norm" in r]
+    (row32,) = [r for r in read_jsonl(tmp_path / "fp32" / "metrics.jsonl") if "grad/fc2.bias/norm" in r]
+    assert row16["grad/fc2.bias/norm"] == pytest.approx(row32["grad/fc2.bias/norm"], rel=2e-2)
+
+
+def test_unknown_precision_is_refused(tmp_path: Path):
+    from hookexp import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^trainer\.precision: unknown precision 'fp8'\. Use fp32, bf16 or fp16\."):
+        train(config("trainer.precision=fp8", "trainer.max_steps=2"), tmp_path)
