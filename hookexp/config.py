@@ -60,6 +60,8 @@ class TrainerConfig:
     save_records: bool = True  # write what `record` transforms kept to records/<spec>.pt
     nan_policy: str = "raise"  # raise | skip_step | warn | off: what a NaN/Inf loss or gradient does
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast dtype; fp16 adds a GradScaler
+    compile: bool = False  # torch.compile the model after the hooks are attached
+    compile_backend: str = "inductor"
     checkpoint_every: Optional[int] = None  # noqa: UP045 - steps between checkpoints (and always on SIGTERM)
 
 

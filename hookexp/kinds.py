@@ -74,6 +74,12 @@ def register_kind(name: str, on: Literal["module", "parameter"], torch_api: str,
     return deco
 
 
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Forward-side hooks read the step and the schedule: under torch.compile, Dynamo would guard on
+    those values and recompile every step. Running the hooks eagerly (a graph break) keeps one graph."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def output_tensors(value: Any) -> Iterator[tuple[int | None, torch.Tensor]]:
     """(position, tensor) for a bare tensor (position None) or the tensors of a tuple/list."""
     if isinstance(value, torch.Tensor):
@@ -183,6 +189,7 @@ def _legacy_warning(binding: Binding, target: Target, site: AttachSite) -> None:
 def _forward_pre(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
 
+    @eager
     def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
         if not binding.live(module.training):
             return None
@@ -196,6 +203,7 @@ def _forward_pre(binding: Binding, target: Target, site: AttachSite) -> list[Any
 def _forward(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
 
+    @eager
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if not binding.live(module.training):
             return None
@@ -211,6 +219,7 @@ def _output_grad(binding: Binding, target: Target, site: AttachSite) -> list[Any
     name = target.name
     only = binding.spec.index
 
+    @eager
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not torch.is_grad_enabled() or not binding.live(None):
             return
@@ -273,6 +282,7 @@ def _node_kind(pre: bool) -> Attach:
     def attach(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
         name = target.name
 
+        @eager
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not torch.is_grad_enabled() or not binding.live(None):
                 return

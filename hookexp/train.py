@@ -174,6 +174,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         hooks.remove()
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
     amp = MixedPrecision(cfg.trainer.precision, device, hooks)
+    # Compiled after the hooks are attached: torch ignores hooks added to a compiled module.
+    forward = torch.compile(model, backend=cfg.trainer.compile_backend) if cfg.trainer.compile else model
     # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
     guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None)
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
@@ -264,7 +266,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
                 try:
                     with amp.autocast():
-                        logits = model(x)
+                        logits = forward(x)
                         loss = F.cross_entropy(logits, y)
                     optimizer.zero_grad(set_to_none=True)
                     amp.backward(loss)
@@ -321,7 +323,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 break
             epoch += 1
             eval_started = time.perf_counter()
-            val = evaluate(model, val_loader, device)
+            val = evaluate(forward, val_loader, device)
             eval_s += time.perf_counter() - eval_started
             best_acc = max(best_acc, val["val/acc"])
             sinks.log({**val, "epoch": epoch}, step - 1)
