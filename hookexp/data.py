@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class TensorSet(Dataset):
@@ -48,8 +48,8 @@ class DataSplits:
     train: TensorSet
     val: TensorSet
 
-    def loaders(self, batch_size: int, seed: int, eval_batch_size: int = 512,
-                num_workers: int = 0) -> tuple[DataLoader, DataLoader]:
+    def loaders(self, batch_size: int, seed: int, eval_batch_size: int = 512, num_workers: int = 0,
+                rank: int = 0, world_size: int = 1) -> tuple[DataLoader, DataLoader]:
         """A seeded shuffling loader for training and an ordered one for validation.
 
         The shuffling order comes from a generator seeded with ``seed``; worker processes (if any)
@@ -58,8 +58,14 @@ class DataSplits:
         gen = torch.Generator().manual_seed(seed)
         workers = {"num_workers": num_workers, "worker_init_fn": seed_worker,
                    "persistent_workers": num_workers > 0}
-        train = DataLoader(self.train, batch_size=batch_size, shuffle=True, generator=gen,
-                           collate_fn=_whole_batch, **workers)
+        if world_size > 1:  # each rank its own shard of every epoch; the epoch is set by the trainer
+            sampler = DistributedSampler(self.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                         drop_last=True)
+            train = DataLoader(self.train, batch_size=batch_size, sampler=sampler, generator=gen,
+                               collate_fn=_whole_batch, **workers)
+        else:
+            train = DataLoader(self.train, batch_size=batch_size, shuffle=True, generator=gen,
+                               collate_fn=_whole_batch, **workers)
         val = DataLoader(self.val, batch_size=eval_batch_size, shuffle=False, collate_fn=_whole_batch, **workers)
         return train, val
 

@@ -157,6 +157,16 @@ class WandbSink:
         self.run.finish(exit_code=1 if failed else 0)
 
 
+class NullSinks:
+    """What ranks other than 0 log to: nothing."""
+
+    def log(self, metrics: Mapping[str, Any], step: int, histograms: Histograms | None = None) -> None:
+        pass
+
+    def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
+        pass
+
+
 class Sinks:
     """Fan-out to every sink; a sink that fails to finish does not stop the others."""
 

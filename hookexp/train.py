@@ -26,16 +26,19 @@ import torch.nn.functional as F
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from hookexp import checkpoint
+from hookexp import checkpoint, distributed
+from hookexp.distributed import Dist
 from hookexp.engine import HookHandle, attach, explain_torch_error
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.guard import NonFiniteGuard
 from hookexp.guard import as_dict as guard_summary
 from hookexp.manifest import build_manifest, write_json
 from hookexp.plots import plot_grad_norms
-from hookexp.sinks import LocalFiles, Sinks, WandbSink, check_logger
+from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger
 from hookexp.stats import ActivationStats, GradStats
 from hookexp.validate import validate
 
@@ -117,13 +120,16 @@ class Run:
     total_steps: int
 
 
-def build_run(cfg: DictConfig) -> Run:
+def build_run(cfg: DictConfig, ranks: Dist | None = None) -> Run:
     """Seed, then build data, model and optimizer from the config (``hydra.utils.instantiate``)."""
+    ranks = ranks or Dist()
     seed_everything(cfg.seed, cfg.repro.deterministic)
     device = pick_device(cfg.trainer.device)
+    if ranks.enabled and device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
     splits = build(cfg.data.dataset, "data.dataset")
     train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size,
-                                              cfg.data.num_workers)
+                                              cfg.data.num_workers, ranks.rank, ranks.world_size)
     model = build(cfg.model, "model").to(device)
     optimizer = build(cfg.optim, "optim")(params=model.parameters())
     total_steps = cfg.trainer.epochs * len(train_loader)
@@ -160,9 +166,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     check_logger(cfg.logger)
     ckpt_path = checkpoint.resolve(cfg.get("resume"), run_dir)
     resumed = checkpoint.load(ckpt_path) if ckpt_path is not None else None  # a bad checkpoint fails first
+    ranks = distributed.setup()
+    main = ranks.is_main  # only rank 0 writes files and logs
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    run = build_run(cfg)
+    run = build_run(cfg, ranks)
     model, optimizer, device, total_steps = run.model, run.optimizer, run.device, run.total_steps
     train_loader, val_loader = run.train_loader, run.val_loader
 
@@ -174,8 +182,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         hooks.remove()
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
     amp = MixedPrecision(cfg.trainer.precision, device, hooks)
-    # Compiled after the hooks are attached: torch ignores hooks added to a compiled module.
-    forward = torch.compile(model, backend=cfg.trainer.compile_backend) if cfg.trainer.compile else model
+    # Wrapped and compiled after the hooks are attached: hook targets keep their names, grad-kind hooks
+    # run before DDP's all-reduce, and torch ignores hooks added to a compiled module.
+    forward: torch.nn.Module = model
+    if ranks.enabled:
+        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.trainer.compile:
+        forward = torch.compile(forward, backend=cfg.trainer.compile_backend)
     # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
     guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None)
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
@@ -197,18 +210,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # -- outputs: manifest first, so that even a failed run says what it was --------------------------
     config = OmegaConf.to_container(cfg, resolve=True)
     table = hooks.table()
-    write_json(run_dir / "manifest.json", build_manifest(config, table, cfg.seed, Path.cwd()))
-    if resumed is not None:  # keep exactly the lines written before the checkpoint
+    if main:
+        manifest = build_manifest(config, table, cfg.seed, Path.cwd())
+        write_json(run_dir / "manifest.json", {**manifest, "world_size": ranks.world_size})
+    if resumed is not None and main:  # keep exactly the lines written before the checkpoint
         previous = ckpt_path.parent.parent / "metrics.jsonl"
         lines = previous.read_text().splitlines(keepends=True)[:resumed["metrics_lines"]] if previous.exists() else []
         (run_dir / "metrics.jsonl").write_text("".join(lines))
-    local = LocalFiles(run_dir)
+    local = LocalFiles(run_dir) if main else None
     wandb_sink = None
-    if cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
+    if main and cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
         tags = list(cfg.logger.tags) + [b.spec.name for b in hooks.bindings if b.spec.enabled]
         wandb_id = resumed.get("wandb_id") if resumed is not None else None
         wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, table, run_id=wandb_id)
-    sinks = Sinks(local, wandb_sink)
+    sinks = Sinks(local, wandb_sink) if local is not None else NullSinks()
 
     # Gradient statistics see the final .grad right before the update: registered after attach(), this
     # optimizer pre-hook runs after the pre_step specs. It works only when the step logs.
@@ -229,7 +244,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         path = run_dir / "checkpoints" / "last.pt"
         checkpoint.save(path, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hooks": hooks.state_dict(),
-            "rng": checkpoint.rng_state(), "metrics_lines": local.lines,
+            "rng": checkpoint.rng_state(), "metrics_lines": local.lines if local else 0,
             "wandb_id": wandb_sink.run_id if wandb_sink else None,
             "loop": {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "epoch_rng": epoch_rng,
                      "loss_sum": loss_sum.item(), "correct": int(correct.item()), "seen": seen, "batches": batches,
@@ -253,6 +268,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if loop.epoch_rng is not None and skip:
                 train_loader.generator.set_state(loop.epoch_rng)
             epoch_rng = train_loader.generator.get_state()
+            if isinstance(train_loader.sampler, DistributedSampler):
+                train_loader.sampler.set_epoch(epoch)
             batch_in_epoch = 0
             for x, y in train_loader:
                 if batch_in_epoch < skip:  # resuming mid-epoch: these batches were trained on already
@@ -285,7 +302,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 batches += 1
                 if log_now:
                     metrics = act_stats.end()
-                    loss_v, acc_v = torch.stack([loss_sum / batches, correct.float() / seen]).tolist()
+                    totals = ranks.sum(torch.stack([loss_sum, torch.tensor(float(batches), device=device),
+                                                    correct.float(), torch.tensor(float(seen), device=device)]))
+                    loss_v, acc_v = (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
                     now = time.perf_counter()
                     metrics.update({"train/loss": loss_v, "train/acc": acc_v, "epoch": epoch,
                                     "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1)})
@@ -308,13 +327,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 bar.update(1)
                 step += 1
                 batch_in_epoch += 1
-                if stop.signum is not None:
-                    path = save_checkpoint()
+                if ranks.any(stop.signum is not None, device):  # every rank stops at the same step
+                    stop.signum = stop.signum or signal.SIGTERM
+                    path = save_checkpoint() if main else None
                     log.warning("stopped by signal %d after step %d; checkpoint %s; continue with resume=true "
                                 "hydra.run.dir=%s", stop.signum, step, path, run_dir)
                     status = "interrupted"
                     break
-                if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+                if main and cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
                     save_checkpoint()
                 if step >= total_steps:
                     break
@@ -330,6 +350,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             summary.update(val)
         bar.close()
         summary["perf/train_loop_s"] = time.perf_counter() - loop_started - eval_s  # training steps only
+        if ranks.enabled:
+            summary.update({"dist/world_size": ranks.world_size, "dist/params_in_sync": ranks.params_in_sync(model)})
         if status != "interrupted":
             status = "finished"
     finally:
@@ -342,16 +364,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "runtime_s": time.perf_counter() - started, **guard_summary(guard),
             **{f"hook/{b.spec.name}/calls": b.calls for b in hooks.bindings},
         })
-        if cfg.trainer.save_records:
+        if main and cfg.trainer.save_records:
             _save_records(hooks, run_dir)
-        local.close()
-        try:
-            plot = plot_grad_norms(local.metrics_path, run_dir / "plots" / "grad_norms.png")
-            if plot is not None and wandb_sink is not None:
-                wandb_sink.log_image("plots/grad_norms", plot)
-        except Exception as e:
-            log.warning("could not plot the gradient norms: %s: %s", type(e).__name__, e)
+        if local is not None:
+            local.close()
+            try:
+                plot = plot_grad_norms(local.metrics_path, run_dir / "plots" / "grad_norms.png")
+                if plot is not None and wandb_sink is not None:
+                    wandb_sink.log_image("plots/grad_norms", plot)
+            except Exception as e:
+                log.warning("could not plot the gradient norms: %s: %s", type(e).__name__, e)
         sinks.finish(summary, status == "failed")
+        if status != "failed":
+            distributed.teardown(ranks)
     return summary
 
 
