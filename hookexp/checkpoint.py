@@ -52,8 +52,11 @@ def save(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` to ``path`` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save({"format": FORMAT, **payload}, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"format": FORMAT, **payload}, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load(path: Path) -> dict[str, Any]:

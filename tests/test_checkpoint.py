@@ -77,3 +77,21 @@ def test_resume_with_another_model_is_refused(workdir):
     other = run_cli(["model=mlp", "resume=a", "trainer.max_steps=6", "logger=none", "hydra.run.dir=b"], workdir)
     assert other.returncode == 2
     assert "hookexp: error: resume: the checkpoint a/checkpoints/last.pt does not fit this model" in other.stderr
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(workdir, monkeypatch):
+    from hookexp import checkpoint
+
+    path = workdir / "last.pt"
+    checkpoint.save(path, {"step": 1})
+
+    def crash(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half a chec")  # what a killed writer leaves
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path, {"step": 2})
+    monkeypatch.undo()
+    assert checkpoint.load(path)["step"] == 1
+    assert [p.name for p in workdir.iterdir()] == ["last.pt"]  # and no half-written file is left
