@@ -1,10 +1,11 @@
 """The non-finite guard: ``trainer.nan_policy = raise | skip_step | warn | off``.
 
-Every step the loss is checked (one scalar read back; ``off`` skips even that). ``skip_step`` also
-checks every gradient before ``optimizer.step()`` (one fused norm), so that a step with a NaN/Inf
-gradient is skipped before it can reach the parameters. When something is non-finite, the message
-names the step, the first affected parameters (non-finite gradient or value) and the hook specs that
-touch them, since a hook is a likely cause.
+``raise`` and ``warn`` cost no host sync on steps that do not log: every step adds one tiny kernel
+that remembers, on the device, the first step whose loss was NaN/Inf; the log step reads it with its
+other values and raises (or warns) naming that step. ``skip_step`` must decide before each update, so
+it reads the loss and every gradient's norm back on every step (one sync a step, free on CPU).
+The message names the step, the first affected parameters (non-finite values first: where a NaN came
+in) and the hook specs that touch them, since a hook is a likely cause.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class NonFiniteError(HookexpError, FloatingPointError):
 
 
 class NonFiniteGuard:
-    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle, check_grads: bool = True):
+    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle, check_grads: bool = True,
+                 device: torch.device | str = "cpu"):
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.",
                               key="trainer.nan_policy")
@@ -37,6 +39,7 @@ class NonFiniteGuard:
         self.hooks = hooks
         self.skipped = 0
         self.warned = 0
+        self._first_bad = torch.full((), -1, dtype=torch.long, device=device)  # -1: none since the last read
 
     def grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -45,26 +48,37 @@ class NonFiniteGuard:
         return bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
     def check(self, loss: torch.Tensor, step: int) -> bool:
-        """Before ``optimizer.step()``: True to take the step, False to skip it (or raise)."""
+        """Before ``optimizer.step()``: True to take the step, False to skip it."""
+        if self.policy in ("raise", "warn"):  # remembered on the device; read on the next log step
+            bad = ~torch.isfinite(loss.detach()).all() & (self._first_bad < 0)
+            self._first_bad = torch.where(bad, step, self._first_bad)
+            return True
         if self.policy == "off":
             return True
         finite = bool(torch.isfinite(loss.detach()).all())
-        if finite and self.policy == "skip_step" and self.check_grads:
+        if finite and self.check_grads:
             finite = self.grads_finite()
         if finite:
             return True
-        message = self.describe(loss, step)
+        self.skipped += 1
+        log.warning("%s Skipping this step (trainer.nan_policy=skip_step).", self.describe(loss, step))
+        return False
+
+    def on_log_step(self, loss: torch.Tensor, step: int) -> None:
+        """On a log step: raise (or warn) if a loss since the last log step was non-finite."""
+        if self.policy not in ("raise", "warn"):
+            return
+        first = int(self._first_bad.item())
+        if first < 0:
+            return
+        message = self.describe(loss, first, seen_at=step)
         if self.policy == "raise":
             raise NonFiniteError(message + " Set trainer.nan_policy=skip_step to skip such steps, or warn to go on.")
-        if self.policy == "skip_step":
-            self.skipped += 1
-            log.warning("%s Skipping this step (trainer.nan_policy=skip_step).", message)
-            return False
         self.warned += 1
+        self._first_bad.fill_(-1)
         log.warning("%s Going on (trainer.nan_policy=warn).", message)
-        return True
 
-    def describe(self, loss: torch.Tensor, step: int, most: int = 5) -> str:
+    def describe(self, loss: torch.Tensor, step: int, most: int = 5, seen_at: int | None = None) -> str:
         values: list[str] = []  # non-finite parameters first: where a NaN came in, not where it spread
         grads: list[str] = []
         for name, p in self.model.named_parameters():
@@ -75,10 +89,11 @@ class NonFiniteGuard:
                 grads.append(f"{name} (gradient)")
         bad = values + grads
         touching = self._hooks_touching([b.split(" ")[0] for b in bad])
-        loss_text = f"loss {loss.detach().float().item():g}"
+        loss_text = f"loss {loss.detach().float().item():g}" + (f" at step {seen_at}" if seen_at is not None else "")
         params = ", ".join(bad[:most]) + (f" and {len(bad) - most} more" if len(bad) > most else "") or "none"
         hooks = ", ".join(touching) or "none"
-        return f"non-finite values at step {step}: {loss_text}; parameters: {params}; hooks touching them: {hooks}."
+        first = "first non-finite loss" if seen_at is not None else "non-finite values"
+        return f"{first} at step {step}: {loss_text}; parameters: {params}; hooks touching them: {hooks}."
 
     def _hooks_touching(self, params: list[str]) -> list[str]:
         """Specs whose targets are these parameters, or modules that own them."""

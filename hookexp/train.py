@@ -190,7 +190,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.trainer.compile:
         forward = torch.compile(forward, backend=cfg.trainer.compile_backend)
     # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
-    guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None)
+    guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None, device=device)
     grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
     act_stats = ActivationStats(model, cfg.stats.activations, cfg.stats.hist_bins)
     loop = LoopState()
@@ -301,6 +301,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 seen += len(y)
                 batches += 1
                 if log_now:
+                    guard.on_log_step(loss, step)
                     metrics = act_stats.end()
                     totals = ranks.sum(torch.stack([loss_sum, torch.tensor(float(batches), device=device),
                                                     correct.float(), torch.tensor(float(seen), device=device)]))
