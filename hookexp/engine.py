@@ -82,10 +82,13 @@ class SpecBinding:
     def note(self, target: str, event: str) -> None:
         self.notes.setdefault(target, set()).add(event)
 
-    def apply(self, value: Any, target: str, aux: Any = None, index: int | None = None) -> Any:
-        """Run the transform on what a torch hook saw; returns the value torch should use."""
+    def count(self, target: str) -> None:
         self.calls += 1
         self.calls_by_target[target] += 1
+
+    def apply(self, value: Any, target: str, aux: Any = None, index: int | None = None) -> Any:
+        """Run the transform on what a torch hook saw; returns the value torch should use."""
+        self.count(target)
         ctx = HookContext(self.spec.name, self.spec.kind, target, self.clock.step, index, aux,
                           self.transform.state, self.records, self.clock.measuring, self.emitted)
         try:
@@ -98,6 +101,14 @@ class SpecBinding:
                 f"at step {self.clock.step}: {type(e).__name__}: {e}",
                 spec=self.spec.name, field="transform",
             ) from e
+
+    def apply_in_place(self, grad: torch.Tensor, target: str) -> None:
+        """For the kinds that own a ``.grad`` (post_accumulate, pre_step): transform it out of place,
+        as every transform does, and write the result back into the same tensor."""
+        new = self.apply(grad, target)
+        if new is not grad:
+            with torch.no_grad():
+                grad.copy_(new)
 
     # -- internals ------------------------------------------------------------------------------
     def _apply(self, value: Any, ctx: HookContext) -> Any:
@@ -379,10 +390,7 @@ class HookHandle:
                     continue
                 if key is None:
                     for e, p in live:
-                        grad = p.grad
-                        new = e.binding.apply(grad, e.name)
-                        if new is not grad:
-                            grad.copy_(new)
+                        e.binding.apply_in_place(p.grad, e.name)
                     continue
                 self._run_batched(live)
 
@@ -393,17 +401,16 @@ class HookHandle:
         ctx = HookContext(first.spec.name, "pre_step", "*", self.clock.step, state=first.transform.state)
         try:
             first.transform.batched(grads, ctx, **first.transform.args)  # type: ignore[misc]
-        except Exception as e:
-            names = sorted({e.binding.spec.name for e, _ in live})
+        except Exception as error:
+            names = sorted({entry.binding.spec.name for entry, _ in live})
             raise HookRuntimeError(
                 f"batched transform {first.transform.name!r} failed at step {self.clock.step} on "
-                f"{len(grads)} parameters of spec(s) {', '.join(names)}: {type(e).__name__}: {e}",
-                spec=first.spec.name, field="transform") from e
-        for i, (e, _) in enumerate(live):
-            e.binding.calls += 1
-            e.binding.calls_by_target[e.name] += 1
+                f"{len(grads)} parameters of spec(s) {', '.join(names)}: {type(error).__name__}: {error}",
+                spec=first.spec.name, field="transform") from error
+        for i, (entry, _) in enumerate(live):
+            entry.binding.count(entry.name)
             if before is not None:
-                e.binding.measure(before[i], grads[i])
+                entry.binding.measure(before[i], grads[i])
 
 
 def explain_torch_error(exc: BaseException, hooks: HookHandle) -> Exception | None:

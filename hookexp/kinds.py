@@ -36,6 +36,8 @@ class Binding(Protocol):
 
     def apply(self, value: Any, target: str, aux: Any = None, index: int | None = None) -> Any: ...
 
+    def apply_in_place(self, grad: torch.Tensor, target: str) -> None: ...
+
     def note(self, target: str, event: str) -> None: ...
 
 
@@ -78,6 +80,15 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Forward-side hooks read the step and the schedule: under torch.compile, Dynamo would guard on
     those values and recompile every step. Running the hooks eagerly (a graph break) keeps one graph."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def transformed(binding: Binding, name: str, value: Any, aux: Any = None, training: bool | None = None) -> Any:
+    """The body every replacing hook shares: ``None`` (torch keeps its value) when the spec does not act
+    or the transform returned the value unchanged, else the new value."""
+    if not binding.live(training):
+        return None
+    out = binding.apply(value, name, aux=aux)
+    return None if out is value else out
 
 
 def output_tensors(value: Any) -> Iterator[tuple[int | None, torch.Tensor]]:
@@ -191,10 +202,7 @@ def _forward_pre(binding: Binding, target: Target, site: AttachSite) -> list[Any
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
-        if not binding.live(module.training):
-            return None
-        out = binding.apply(args, name)
-        return None if out is args else out
+        return transformed(binding, name, args, training=module.training)
 
     return [target.obj.register_forward_pre_hook(hook)]  # type: ignore[union-attr]
 
@@ -205,10 +213,7 @@ def _forward(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if not binding.live(module.training):
-            return None
-        out = binding.apply(output, name, aux=args)
-        return None if out is output else out
+        return transformed(binding, name, output, aux=args, training=module.training)
 
     return [target.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
 
@@ -246,20 +251,14 @@ def _backward_pre(binding: Binding, target: Target, site: AttachSite) -> list[An
     name = target.name
 
     def hook(module: nn.Module, grad_output: tuple[Any, ...]) -> Any:
-        if not binding.live(None):
-            return None
-        out = binding.apply(grad_output, name)
-        return None if out is grad_output else out
+        return transformed(binding, name, grad_output)
 
     return [target.obj.register_full_backward_pre_hook(hook)]  # type: ignore[union-attr]
 
 
 def _backward_hook(binding: Binding, name: str) -> Callable[..., Any]:
     def hook(module: nn.Module, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> Any:
-        if not binding.live(None):
-            return None
-        out = binding.apply(grad_input, name, aux=grad_output)
-        return None if out is grad_input else out
+        return transformed(binding, name, grad_input, aux=grad_output)
 
     return hook
 
@@ -304,17 +303,11 @@ def _node_kind(pre: bool) -> Attach:
 
 
 def _node_call(binding: Binding, name: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> Any:
-    if not binding.live(None):
-        return None
-    out = binding.apply(grad_inputs, name, aux=grad_outputs)
-    return None if out is grad_inputs else out
+    return transformed(binding, name, grad_inputs, aux=grad_outputs)
 
 
 def _node_pre_call(binding: Binding, name: str, grad_outputs: tuple[Any, ...]) -> Any:
-    if not binding.live(None):
-        return None
-    out = binding.apply(grad_outputs, name)
-    return None if out is grad_outputs else out
+    return transformed(binding, name, grad_outputs)
 
 
 register_kind("node", "module", "grad_fn.register_hook on the module output",
@@ -339,13 +332,8 @@ def _post_accumulate(binding: Binding, target: Target, site: AttachSite) -> list
     name = target.name
 
     def hook(param: torch.Tensor) -> None:
-        if param.grad is None or not binding.live(None):
-            return
-        grad = param.grad
-        new = binding.apply(grad, name)
-        if new is not grad:
-            with torch.no_grad():
-                grad.copy_(new)
+        if param.grad is not None and binding.live(None):
+            binding.apply_in_place(param.grad, name)
 
     return [target.obj.register_post_accumulate_grad_hook(hook)]  # type: ignore[union-attr]
 

@@ -50,13 +50,6 @@ class HookSpec:
     def allows_phase(self, training: bool) -> bool:
         return self.phase == "both" or (self.phase == "train") == training
 
-    @property
-    def transform_name(self) -> str:
-        """The registry name, or the ``_target_`` of a user transform."""
-        if isinstance(self.transform, Mapping):
-            return str(self.transform.get("_target_", "?"))
-        return self.transform
-
 
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(HookSpec) if f.name != "name")
 _REQUIRED = ("target", "kind")
