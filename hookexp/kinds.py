@@ -54,10 +54,14 @@ Attach = Callable[[Binding, "Target", AttachSite], list[Any]]
 Check = Callable[[Binding, "Target", AttachSite], None]
 
 
+Stage = Literal["forward", "backward", "step"]
+
+
 @dataclass(frozen=True)
 class KindInfo:
     name: str
     on: Literal["module", "parameter"]
+    stage: Stage  # when it fires: in forward, in backward (sees fp16-scaled grads), before optimizer.step
     torch_api: str
     sees: str
     attach: Attach
@@ -67,10 +71,10 @@ class KindInfo:
 KINDS: dict[str, KindInfo] = {}
 
 
-def register_kind(name: str, on: Literal["module", "parameter"], torch_api: str, sees: str,
+def register_kind(name: str, on: Literal["module", "parameter"], stage: Stage, torch_api: str, sees: str,
                   check: Check | None = None) -> Callable[[Attach], Attach]:
     def deco(fn: Attach) -> Attach:
-        KINDS[name] = KindInfo(name, on, torch_api, sees, fn, check)
+        KINDS[name] = KindInfo(name, on, stage, torch_api, sees, fn, check)
         return fn
 
     return deco
@@ -196,7 +200,7 @@ def _legacy_warning(binding: Binding, target: Target, site: AttachSite) -> None:
 # Module kinds.
 
 
-@register_kind("forward_pre", "module", "register_forward_pre_hook", "positional inputs (tuple)")
+@register_kind("forward_pre", "module", "forward", "register_forward_pre_hook", "positional inputs (tuple)")
 def _forward_pre(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
 
@@ -207,7 +211,7 @@ def _forward_pre(binding: Binding, target: Target, site: AttachSite) -> list[Any
     return [target.obj.register_forward_pre_hook(hook)]  # type: ignore[union-attr]
 
 
-@register_kind("forward", "module", "register_forward_hook", "the output")
+@register_kind("forward", "module", "forward", "register_forward_hook", "the output")
 def _forward(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
 
@@ -218,7 +222,7 @@ def _forward(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     return [target.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
 
 
-@register_kind("output_grad", "module", "forward hook, then Tensor.register_hook on each output",
+@register_kind("output_grad", "module", "backward", "forward hook, then Tensor.register_hook on each output",
                "grad w.r.t. each output tensor")
 def _output_grad(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
@@ -245,7 +249,7 @@ def _grad_call(binding: Binding, name: str, index: int | None, grad: torch.Tenso
     return binding.apply(grad, name, index=index)
 
 
-@register_kind("backward_pre", "module", "register_full_backward_pre_hook", "grad_output (tuple)",
+@register_kind("backward_pre", "module", "backward", "register_full_backward_pre_hook", "grad_output (tuple)",
                check=_no_inplace)
 def _backward_pre(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
@@ -263,13 +267,13 @@ def _backward_hook(binding: Binding, name: str) -> Callable[..., Any]:
     return hook
 
 
-@register_kind("backward", "module", "register_full_backward_hook",
+@register_kind("backward", "module", "backward", "register_full_backward_hook",
                "grad_input (tuple; grads w.r.t. the module inputs)", check=_no_inplace)
 def _backward(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     return [target.obj.register_full_backward_hook(_backward_hook(binding, target.name))]  # type: ignore[union-attr]
 
 
-@register_kind("backward_legacy", "module", "register_backward_hook (deprecated)",
+@register_kind("backward_legacy", "module", "backward", "register_backward_hook (deprecated)",
                "grad_input of the module's last op", check=_legacy_warning)
 def _backward_legacy(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     with warnings.catch_warnings():
@@ -310,9 +314,9 @@ def _node_pre_call(binding: Binding, name: str, grad_outputs: tuple[Any, ...]) -
     return transformed(binding, name, grad_outputs)
 
 
-register_kind("node", "module", "grad_fn.register_hook on the module output",
+register_kind("node", "module", "backward", "grad_fn.register_hook on the module output",
               "grad_inputs of the output's autograd Node")(_node_kind(pre=False))
-register_kind("node_pre", "module", "grad_fn.register_prehook on the module output",
+register_kind("node_pre", "module", "backward", "grad_fn.register_prehook on the module output",
               "grad_outputs of the output's autograd Node")(_node_kind(pre=True))
 
 
@@ -320,13 +324,13 @@ register_kind("node_pre", "module", "grad_fn.register_prehook on the module outp
 # Parameter kinds.
 
 
-@register_kind("grad", "parameter", "Tensor.register_hook", "the gradient before accumulation",
+@register_kind("grad", "parameter", "backward", "Tensor.register_hook", "the gradient before accumulation",
                check=_grad_check)
 def _grad(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     return [target.obj.register_hook(functools.partial(_grad_call, binding, target.name, None))]  # type: ignore[union-attr]
 
 
-@register_kind("post_accumulate", "parameter", "register_post_accumulate_grad_hook",
+@register_kind("post_accumulate", "parameter", "backward", "register_post_accumulate_grad_hook",
                ".grad after accumulation (written back with copy_)", check=_requires_grad)
 def _post_accumulate(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     name = target.name
@@ -338,7 +342,7 @@ def _post_accumulate(binding: Binding, target: Target, site: AttachSite) -> list
     return [target.obj.register_post_accumulate_grad_hook(hook)]  # type: ignore[union-attr]
 
 
-@register_kind("pre_step", "parameter", "Optimizer.register_step_pre_hook",
+@register_kind("pre_step", "parameter", "step", "Optimizer.register_step_pre_hook",
                "the final .grad right before optimizer.step()", check=_pre_step_check)
 def _pre_step(binding: Binding, target: Target, site: AttachSite) -> list[Any]:
     return [site.add_pre_step(binding, target)]

@@ -387,8 +387,6 @@ class MixedPrecision:
     see true gradients. ``grad``-kind hooks run inside backward and see scaled ones: a value-dependent
     transform there gets a warning naming ``pre_step``."""
 
-    VALUE_DEPENDENT = ("clamp", "clip_norm", "quantize", "add", "noise", "replace")
-
     def __init__(self, precision: str, device: torch.device, hooks: HookHandle):
         dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
         if precision not in dtypes:
@@ -398,8 +396,7 @@ class MixedPrecision:
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         if self.scaler is not None:
             for b in hooks.bindings:
-                if b.spec.kind in ("grad", "output_grad", "backward", "backward_pre", "node", "node_pre",
-                                   "post_accumulate") and b.transform.name in self.VALUE_DEPENDENT:
+                if b.kind.stage == "backward" and b.transform.value_dependent:
                     log.warning("hooks.%s: with trainer.precision=fp16 the gradients a %r hook sees are multiplied "
                                 "by the GradScaler's scale, so %r acts on scaled values. Use kind 'pre_step' to "
                                 "act on the unscaled gradient.", b.spec.name, b.spec.kind, b.transform.name)

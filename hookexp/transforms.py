@@ -8,7 +8,7 @@ backward kinds, the inputs for ``forward``), and a per-spec ``state`` dict for t
 
 Registering one is a decorator (Opacus style)::
 
-    @register_transform("clamp", batched=_clamp_, check=_check_bounds)
+    @register_transform("clamp", batched=_clamp_, check=_check_bounds, value_dependent=True)
     def clamp(x, ctx, min=None, max=None): ...
 
 ``batched`` is an optional in-place version over a list of tensors that the ``pre_step`` kind uses to
@@ -80,6 +80,7 @@ class TransformInfo:
     structured: bool = False
     aliases: Mapping[str, str] = field(default_factory=dict)
     check: Callable[..., None] | None = None
+    value_dependent: bool = False  # acts on magnitudes: a scaled gradient (fp16) changes what it does
     doc: str = ""
 
 
@@ -93,18 +94,21 @@ def register_transform(
     structured: bool = False,
     aliases: Mapping[str, str] | None = None,
     check: Callable[..., None] | None = None,
+    value_dependent: bool = False,
 ) -> Callable[[TransformFn], TransformFn]:
     """Decorator that adds ``fn`` to the registry under ``name``.
 
     ``check(**args)`` validates argument values when a spec is bound, before any hook fires; it raises
-    :class:`TransformArgsError` with the fix.
+    :class:`TransformArgsError` with the fix. ``value_dependent``: the result depends on magnitudes
+    (clamp, add, ...), so the trainer warns when such a transform sees fp16-scaled gradients.
     """
 
     def deco(fn: TransformFn) -> TransformFn:
         if name in TRANSFORMS:
             raise ValueError(f"transform {name!r} is already registered")
         doc = inspect.getdoc(fn) or ""
-        TRANSFORMS[name] = TransformInfo(name, fn, batched, structured, dict(aliases or {}), check, doc)
+        TRANSFORMS[name] = TransformInfo(name, fn, batched, structured, dict(aliases or {}), check, value_dependent,
+                                         doc)
         return fn
 
     return deco
@@ -174,7 +178,7 @@ def _add_(xs: list[torch.Tensor], ctx: HookContext, value: float) -> None:
     torch._foreach_add_(xs, value)
 
 
-@register_transform("add", batched=_add_)
+@register_transform("add", batched=_add_, value_dependent=True)
 def add(x: torch.Tensor, ctx: HookContext, value: float) -> torch.Tensor:
     """``x + value``."""
     return x + value
@@ -267,13 +271,13 @@ def _positive(name: str) -> Callable[..., None]:
     return check
 
 
-@register_transform("quantize", check=_positive("step"))
+@register_transform("quantize", check=_positive("step"), value_dependent=True)
 def quantize(x: torch.Tensor, ctx: HookContext, step: float) -> torch.Tensor:
     """Round to the nearest multiple of ``step``."""
     return torch.round(x / step) * step
 
 
-@register_transform("replace")
+@register_transform("replace", value_dependent=True)
 def replace(x: torch.Tensor, ctx: HookContext, value: float) -> torch.Tensor:
     """A tensor of the same shape filled with ``value`` (activation patching with a constant)."""
     return torch.full_like(x, value)
@@ -292,7 +296,8 @@ def _clip_norm_(xs: list[torch.Tensor], ctx: HookContext, max_norm: float) -> No
     torch._foreach_mul_(xs, [s.to(x.dtype) for s, x in zip(scales, xs, strict=True)])
 
 
-@register_transform("clip_norm", batched=_clip_norm_, check=_positive("max_norm"))
+@register_transform("clip_norm", batched=_clip_norm_, check=_positive("max_norm"),
+                    value_dependent=True)
 def clip_norm(x: torch.Tensor, ctx: HookContext, max_norm: float) -> torch.Tensor:
     """Rescale so that the tensor's L2 norm is at most ``max_norm`` (per tensor, no host sync)."""
     return x * _norm_scale(x, max_norm).to(x.dtype)
@@ -322,7 +327,7 @@ def _check_noise(std: float = 0.0, gamma: float = 0.0, seed: int | None = None) 
         raise TransformArgsError(f"needs gamma >= 0 (the annealing exponent), got {gamma!r}.")
 
 
-@register_transform("noise", check=_check_noise)
+@register_transform("noise", check=_check_noise, value_dependent=True)
 def noise(x: torch.Tensor, ctx: HookContext, std: float, gamma: float = 0.0, seed: int | None = None) -> torch.Tensor:
     """Add Gaussian noise with standard deviation ``std / (1 + step) ** gamma``.
 
@@ -393,6 +398,7 @@ class BoundTransform:
     args: dict[str, Any]
     batched: BatchedFn | None = None
     structured: bool = False
+    value_dependent: bool = False
     wants_ctx: bool = True
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -461,4 +467,4 @@ def bind_transform(transform: str | Mapping[str, Any], args: Mapping[str, Any], 
             info.check(**args)
         except TransformArgsError as e:
             raise TransformArgsError(f"transform {info.name!r} {e}", spec=spec, field="args") from None
-    return BoundTransform(info.name, info.fn, args, info.batched, info.structured)
+    return BoundTransform(info.name, info.fn, args, info.batched, info.structured, info.value_dependent)

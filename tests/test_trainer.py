@@ -136,12 +136,14 @@ def test_bf16_autocast_trains_small_cnn_with_clamp_conv(tmp_path: Path):
 def test_fp16_grad_scaler_pre_step_and_statistics_see_unscaled_gradients(tmp_path: Path, caplog):
     import torch
 
-    record = ["+hooks.seen={target:fc2.bias,kind:pre_step,transform:record}", "trainer.max_steps=1"]
+    record = ["+hooks.seen={target:fc2.bias,kind:pre_step,transform:record}", "trainer.max_steps=1",
+              "+hooks.flip={target:fc1.weight,kind:grad,transform:negate}"]  # sign flips: scale-free
     with caplog.at_level("WARNING"):
         train(config("hooks=clamp_conv", "trainer.precision=fp16", *record), tmp_path / "fp16")
     train(config("hooks=clamp_conv", *record), tmp_path / "fp32")
-    assert any("hooks.clamp_conv: with trainer.precision=fp16" in r.getMessage() and "Use kind 'pre_step'" in
-               r.getMessage() for r in caplog.records)
+    warned = [r.getMessage() for r in caplog.records if "trainer.precision=fp16" in r.getMessage()]
+    assert len(warned) == 1  # clamp (value-dependent, backward stage) warns; negate does not
+    assert warned[0].startswith("hooks.clamp_conv: with trainer.precision=fp16") and "Use kind 'pre_step'" in warned[0]
     fp16 = torch.load(tmp_path / "fp16" / "records" / "seen.pt", weights_only=True)[0]["value"]
     fp32 = torch.load(tmp_path / "fp32" / "records" / "seen.pt", weights_only=True)[0]["value"]
     assert torch.allclose(fp16, fp32, rtol=2e-2, atol=1e-4)  # not multiplied by the scale (65536)
