@@ -8,7 +8,7 @@ backward kinds, the inputs for ``forward``), and a per-spec ``state`` dict for t
 
 Registering one is a decorator (Opacus style)::
 
-    @register_transform("clamp", batched=_clamp_, check=_check_bounds, value_dependent=True)
+    @register_transform("clamp", batched=_clamp_)
     def clamp(x, ctx, min=None, max=None): ...
 
 ``batched`` is an optional in-place version over a list of tensors that the ``pre_step`` kind uses to
@@ -208,7 +208,7 @@ def _clamp_(xs: list[torch.Tensor], ctx: HookContext, min: float | None = None, 
         torch._foreach_clamp_max_(xs, max)
 
 
-@register_transform("clamp", batched=_clamp_, check=_check_bounds)
+@register_transform("clamp", batched=_clamp_, check=_check_bounds, value_dependent=True)
 def clamp(x: torch.Tensor, ctx: HookContext, min: float | None = None, max: float | None = None) -> torch.Tensor:
     """Clamp every element into ``[min, max]`` (either bound may be omitted)."""
     return x.clamp(min=min, max=max)

@@ -35,6 +35,12 @@ def test_every_transform_keeps_dtype_device_shape_on_expanded_input(name, dtype)
     assert x._version == version  # out of place
 
 
+def test_value_dependent_transforms_are_flagged():
+    # the trainer warns when these act on fp16-scaled gradients; sign-like transforms are scale-free
+    flagged = sorted(name for name, info in TRANSFORMS.items() if info.value_dependent)
+    assert flagged == ["add", "clamp", "clip_norm", "noise", "quantize", "replace"]
+
+
 def test_values():
     x = torch.tensor([-2.0, -0.5, 0.0, 0.3, 4.0])
     assert torch.equal(run("identity", x), x)
