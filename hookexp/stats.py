@@ -10,7 +10,7 @@ Activations: forward hooks that exist only during log steps (``begin`` attaches,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,8 +36,11 @@ class GradStatsResult:
     names: list[str]
     values: list[list[float]]  # [P][len(GRAD_STATS)]
     global_norm: float
-    hist: list[list[float]] | None = None  # [P][bins]
-    hist_range: list[tuple[float, float]] = field(default_factory=list)
+    hist: list[list[float]] | None = None  # [P][bins], over each parameter's [min, max]
+
+    @property
+    def hist_range(self) -> list[tuple[float, float]]:
+        return [(row[GRAD_STATS.index("min")], row[GRAD_STATS.index("max")]) for row in self.values]
 
     def metrics(self) -> dict[str, float]:
         out = {f"grad/{n}/{s}": v for n, row in zip(self.names, self.values, strict=True)
@@ -93,8 +96,7 @@ class GradStats:
         parts = [table.reshape(-1), sumsq.sum().sqrt().reshape(1)]
         if self.hist_bins > 0:
             bins = self.hist_bins
-            lo, hi = mins[seg], maxs[seg]
-            idx = ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
+            idx = _bin_index(flat, mins[seg], maxs[seg], bins)
             parts.append(_count(seg * bins + idx, n_params * bins).to(wide.dtype))
         host = torch.cat(parts).tolist()  # the one device-to-host transfer of this log step
         n_stats = len(GRAD_STATS)
@@ -105,8 +107,12 @@ class GradStats:
             start = n_params * n_stats + 1
             result.hist = [host[start + i * self.hist_bins:start + (i + 1) * self.hist_bins]
                            for i in range(n_params)]
-            result.hist_range = [(row[3], row[4]) for row in values]
         return result
+
+
+def _bin_index(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
+    """The bin of every value among ``bins`` equal bins over [lo, hi] (per element: lo/hi broadcast)."""
+    return ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
 
 
 def _count(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -120,8 +126,7 @@ def _count(index: torch.Tensor, size: int) -> torch.Tensor:
 def _histogram(flat: torch.Tensor, bins: int) -> torch.Tensor:
     """``[lo, hi, count_1 .. count_bins]`` over [min, max], on device and without a host sync."""
     lo, hi = flat.min(), flat.max()
-    idx = ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
-    return torch.cat([lo.reshape(1), hi.reshape(1), _count(idx, bins)])
+    return torch.cat([lo.reshape(1), hi.reshape(1), _count(_bin_index(flat, lo, hi, bins), bins)])
 
 
 class ActivationStats:

@@ -305,7 +305,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     metrics = act_stats.end()
                     totals = ranks.sum(torch.stack([loss_sum, torch.tensor(float(batches), device=device),
                                                     correct.float(), torch.tensor(float(seen), device=device)]))
-                    loss_v, acc_v = (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
+                    loss_total, n_batches, n_correct, n_seen = totals.tolist()  # one transfer
+                    loss_v, acc_v = loss_total / n_batches, n_correct / n_seen
                     now = time.perf_counter()
                     metrics.update({"train/loss": loss_v, "train/acc": acc_v, "epoch": epoch,
                                     "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1)})
