@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookexp import HookRuntimeError, TransformOutputError, attach
+from hookexp import HookCompatibilityError, HookRuntimeError, TransformOutputError, attach
 from hookexp.models import SmallCNN
 
 
@@ -198,5 +198,6 @@ def test_handle_does_not_keep_the_model_alive():
 
 def test_compiled_model_is_refused():
     compiled = torch.compile(SmallCNN())
-    with pytest.raises(Exception, match=r"already compiled with torch\.compile.*Attach the hooks to the eager model"):
+    with pytest.raises(HookCompatibilityError,
+                       match=r"already compiled with torch\.compile.*Attach the hooks to the eager model"):
         attach(compiled, {"f": {"target": "conv1", "kind": "forward"}})
