@@ -226,11 +226,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     sinks = Sinks(local, wandb_sink) if local is not None else NullSinks()
 
     # Gradient statistics see the final .grad right before the update: registered after attach(), this
-    # optimizer pre-hook runs after the pre_step specs. It works only when the step logs.
+    # optimizer pre-hook runs after the pre_step specs. It works only on log steps (hooks.measuring).
     captured: dict[str, Any] = {}
 
     def capture_grad_stats(opt: Any, args: Any, kwargs: Any) -> None:
-        if captured.get("now"):
+        if hooks.measuring:
             captured["grads"] = grad_stats.compute()
 
     stats_handle = optimizer.register_step_pre_hook(capture_grad_stats)
@@ -277,7 +277,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     continue
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 log_now = step % every == 0 or step == total_steps - 1
-                hooks.measuring = captured["now"] = log_now
+                hooks.measuring = log_now
                 if log_now:
                     act_stats.begin()
 
@@ -329,7 +329,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 bar.update(1)
                 step += 1
                 batch_in_epoch += 1
-                if ranks.any(stop.signum is not None, device):  # every rank stops at the same step
+                stopping = stop.signum is not None
+                if ranks.enabled:  # agree on log steps only, so that no other step pays a collective
+                    stopping = log_now and ranks.any(stopping, device)
+                if stopping:
                     stop.signum = stop.signum or signal.SIGTERM
                     path = save_checkpoint() if main else None
                     log.warning("stopped by signal %d after step %d; checkpoint %s; continue with resume=true "
