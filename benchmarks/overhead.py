@@ -9,7 +9,10 @@ Cases, interleaved in every repeat (median over repeats of the mean step time ov
      the 2 cores after wandb.init and would confound the comparison with the hand loop)
   c  the trainer, statistics every step: every gradient statistic of every parameter with 32-bin
      histograms, the global norm, and activation statistics (mean, std, fraction zero, 32-bin
-     histogram) of the model's activation layers (ReLUs; the transformer's encoder layers)
+     histogram) of the model's activation layers (ReLUs; the transformer's encoder layers);
+     histograms count up to stats.hist_sample (default 4,096) elements per tensor
+  c_g   c without the activation statistics (what wandb.watch(log="gradients") describes, and more)
+  c_x   c with exact histograms (stats.hist_sample=null: every element counted)
   d  the same statistics every 10 steps
   c_wb  c with the W&B offline run as well (its logging runs on hookexp's worker thread)
   e  the hand loop with wandb.watch(model, log="gradients", log_freq=1), offline, logging the loss
@@ -113,6 +116,8 @@ def cases(model: list[str], activations: str, steps: int) -> dict[str, Callable[
         "a": lambda n: hand_loop(model, n),
         "b": lambda n: trainer_loop(model, n, STATS_OFF),
         "c": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1"]),
+        "c_g": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "stats.activations=null"]),
+        "c_x": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "stats.hist_sample=null"]),
         "d": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=10"]),
         "c_wb": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "logger=wandb"]),
         "e": lambda n: hand_loop(model, n, wandb_freq=1),
@@ -144,14 +149,15 @@ def main() -> None:
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x "
           f"{args.repeats} repeats (median)\n")
-    header = ("model", "a ms/step", "b/a", "c/b", "d/b", "c_wb/b", "e/a", "f/a", "e/c", "g_grad/a", "g_pre/a",
-              "g_hand/a", "g_pre/g_hand")
+    header = ("model", "a ms/step", "b/a", "c/b", "c_g/b", "c_x/b", "d/b", "c_wb/b", "e/a", "f/a", "e/c", "e/c_wb",
+              "g_grad/a", "g_pre/a", "g_hand/a", "g_pre/g_hand")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for m in names:
         med = {k: statistics.median(v) for k, v in times[m].items()}
         row = [m, f"{med['a'] * 1e3:.2f}", *(f"{med[x] / med[y]:.2f}" for x, y in (
-            ("b", "a"), ("c", "b"), ("d", "b"), ("c_wb", "b"), ("e", "a"), ("f", "a"), ("e", "c"), ("g_grad", "a"),
+            ("b", "a"), ("c", "b"), ("c_g", "b"), ("c_x", "b"), ("d", "b"), ("c_wb", "b"), ("e", "a"), ("f", "a"),
+            ("e", "c"), ("e", "c_wb"), ("g_grad", "a"),
             ("g_pre", "a"), ("g_hand", "a"), ("g_pre", "g_hand")))]
         print("| " + " | ".join(row) + " |")
 

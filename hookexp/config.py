@@ -70,7 +70,8 @@ class StatsConfig:
     every: int = 10  # log step period: metrics, gradient statistics and hook effects
     grads: Optional[str] = "*"  # noqa: UP045 - parameters to describe (target grammar); null: none
     activations: Optional[str] = None  # noqa: UP045 - modules whose outputs to describe; null: none
-    hist_bins: int = 0  # >0: a gradient histogram per parameter on log steps
+    hist_bins: int = 0  # >0: a histogram per parameter (and per described module) on log steps
+    hist_sample: Optional[int] = 4096  # noqa: UP045 - histograms count at most this many elements per tensor; null: all
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The non-finite guard: ``trainer.nan_policy = raise | skip_step | warn | off``.
 
-``raise`` and ``warn`` cost no host sync on steps that do not log: every step adds one tiny kernel
-that remembers, on the device, the first step whose loss was NaN/Inf; the log step reads it with its
-other values and raises (or warns) naming that step. ``skip_step`` must decide before each update, so
+``raise`` and ``warn`` cost nothing on steps that do not log: the trainer's meter keeps every step's
+loss on the device, and the log step reads them back with the statistics, then raises (or warns)
+naming the first step whose loss was NaN/Inf. ``skip_step`` must decide before each update, so
 it reads the loss and every gradient's norm back on every step (one sync a step, free on CPU).
 The message names the step, the first affected parameters (non-finite values first: where a NaN came
 in) and the hook specs that touch them, since a hook is a likely cause.
@@ -39,7 +39,6 @@ class NonFiniteGuard:
         self.hooks = hooks
         self.skipped = 0
         self.warned = 0
-        self._first_bad = torch.full((), -1, dtype=torch.long, device=device)  # -1: none since the last read
 
     def grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -48,12 +47,9 @@ class NonFiniteGuard:
         return bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
     def check(self, loss: torch.Tensor, step: int) -> bool:
-        """Before ``optimizer.step()``: True to take the step, False to skip it."""
-        if self.policy in ("raise", "warn"):  # remembered on the device; read on the next log step
-            bad = ~torch.isfinite(loss.detach()).all() & (self._first_bad < 0)
-            self._first_bad = torch.where(bad, step, self._first_bad)
-            return True
-        if self.policy == "off":
+        """Before ``optimizer.step()``: True to take the step, False to skip it. Only ``skip_step``
+        looks at anything here; ``raise`` and ``warn`` are decided on the log step."""
+        if self.policy != "skip_step":
             return True
         finite = bool(torch.isfinite(loss.detach()).all())
         if finite and self.check_grads:
@@ -64,18 +60,15 @@ class NonFiniteGuard:
         log.warning("%s Skipping this step (trainer.nan_policy=skip_step).", self.describe(loss, step))
         return False
 
-    def on_log_step(self, loss: torch.Tensor, step: int) -> None:
-        """On a log step: raise (or warn) if a loss since the last log step was non-finite."""
-        if self.policy not in ("raise", "warn"):
+    def on_log_step(self, first_bad: int | None, loss: torch.Tensor, step: int) -> None:
+        """On a log step: raise (or warn) if a loss since the last log step was non-finite;
+        ``first_bad`` is the first such step (the trainer's meter read it with the statistics)."""
+        if self.policy not in ("raise", "warn") or first_bad is None:
             return
-        first = int(self._first_bad.item())
-        if first < 0:
-            return
-        message = self.describe(loss, first, seen_at=step)
+        message = self.describe(loss, first_bad, seen_at=step)
         if self.policy == "raise":
             raise NonFiniteError(message + " Set trainer.nan_policy=skip_step to skip such steps, or warn to go on.")
         self.warned += 1
-        self._first_bad.fill_(-1)
         log.warning("%s Going on (trainer.nan_policy=warn).", message)
 
     def describe(self, loss: torch.Tensor, step: int, most: int = 5, seen_at: int | None = None) -> str:

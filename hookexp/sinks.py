@@ -11,6 +11,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,19 +31,34 @@ def _jsonable(value: Any) -> Any:
 
 
 class LocalFiles:
-    """``metrics.jsonl`` (one line per log call, flushed) and ``summary.json`` in the run directory."""
+    """``metrics.jsonl`` (one line per log call) and ``summary.json`` in the run directory. Lines reach
+    the disk at least every ``FLUSH_S`` seconds, at every checkpoint and at the end: a flush per line
+    cost more than the statistics on a small model."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.lines = len(self.metrics_path.read_text().splitlines()) if self.metrics_path.exists() else 0
         self._file = self.metrics_path.open("a", encoding="utf-8")
+        self._flushed = time.monotonic()
+
+    FLUSH_S = 1.0  # at most this long between a line and the disk (and at every close)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        row = {STEP_KEY: step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        row = {STEP_KEY: step, **metrics}
+        try:
+            line = json.dumps(row, allow_nan=False)
+        except ValueError:  # NaN/Inf: JSON has no literal for them, write "nan", "inf"
+            line = json.dumps({k: _jsonable(v) for k, v in row.items()})
+        self._file.write(line + "\n")
         self.lines += 1
+        now = time.monotonic()
+        if now - self._flushed >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._flushed = time.monotonic()
 
     def close(self) -> None:
         if not self._file.closed:

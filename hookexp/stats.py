@@ -1,18 +1,25 @@
 """Gradient and activation statistics, computed batched and only on log steps.
 
-Gradients: every matched parameter's ``.grad`` is flattened into one buffer once, and each statistic
-is one segment reduction over it (``index_add_`` / ``scatter_reduce_``), so the cost is a handful of
-kernels whatever the number of parameters, and the result is one ``[P, S]`` tensor that crosses to
-the host in a single transfer. Nothing here runs, and nothing syncs, on steps that do not log.
+Both kinds pack the tensors they describe into one float32 buffer laid out as ``[rows, width]``
+(:class:`Packed`): each tensor fills whole rows, the tail of its last row repeats its first element.
+Every statistic is then one row-wise reduction over the whole buffer (vectorised and multi-threaded
+like any contiguous reduction, unlike a scatter over segments), and a tiny combine of rows into
+tensors. The cost is about a dozen kernels whatever the number of tensors, and the result is one
+``[tensors, stats]`` table that crosses to the host in a single transfer.
 
-Activations: forward hooks that exist only during log steps (``begin`` attaches, ``end`` removes).
+Gradients are packed right before ``optimizer.step()``; activations are copied into their slot by a
+forward hook that exists only during log steps (``begin`` attaches, ``end`` removes). Nothing here
+runs, and nothing syncs, on steps that do not log.
 """
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,6 +28,8 @@ from hookexp.targets import resolve
 
 GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
 ACT_STATS = ("mean", "std", "frac_zero")
+_COL = {s: i for i, s in enumerate(GRAD_STATS)}  # the columns of Packed.decode
+WIDTHS = tuple(2 ** k for k in range(6, 14))  # candidate row widths, 64 .. 8192
 
 
 def _match(model: nn.Module, pattern: str, what: str, key: str) -> list[tuple[str, Any]]:
@@ -29,143 +38,341 @@ def _match(model: nn.Module, pattern: str, what: str, key: str) -> list[tuple[st
     return [(t.name, t.obj) for t in resolve(model, spec, what, config_key=key)]  # type: ignore[arg-type]
 
 
-@dataclass
-class GradStatsResult:
-    """Statistics of one log step, on the host."""
-
-    names: list[str]
-    values: list[list[float]]  # [P][len(GRAD_STATS)]
-    global_norm: float
-    hist: list[list[float]] | None = None  # [P][bins], over each parameter's [min, max]
-
-    @property
-    def hist_range(self) -> list[tuple[float, float]]:
-        return [(row[GRAD_STATS.index("min")], row[GRAD_STATS.index("max")]) for row in self.values]
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"grad/{n}/{s}": v for n, row in zip(self.names, self.values, strict=True)
-               for s, v in zip(GRAD_STATS, row, strict=True)}
-        out["grad/global_norm"] = self.global_norm
-        return out
+def _pick_width(sizes: list[int]) -> int:
+    """The row width with the least padding plus a per-row cost (wide rows for a few big tensors,
+    narrow ones for many small tensors)."""
+    def cost(w: int) -> int:
+        rows = sum(-(-n // w) for n in sizes)
+        return rows * w + 64 * rows
+    return min(reversed(WIDTHS), key=cost)
 
 
-class GradStats:
-    """Statistics of the gradients of the parameters ``pattern`` matches (target grammar)."""
+class Packed:
+    """A fixed list of tensor shapes packed into one ``[rows, width]`` float32 buffer on ``device``.
 
-    def __init__(self, model: nn.Module, pattern: str | None = "*", hist_bins: int = 0):
-        matched = _match(model, pattern, "parameter", "stats.grads") if pattern else []
-        self.named = [(n, p) for n, p in matched if p.requires_grad]
-        self.hist_bins = hist_bins
-        self._seg_cache: dict[tuple[Any, ...], torch.Tensor] = {}
+    ``slots[i]`` is a view of the buffer shaped like tensor ``i``: copy a tensor in, then
+    :meth:`reduce` (on the device) and :meth:`decode` (on the host). Built once per set of shapes
+    and reused, so a log step allocates nothing but the results. ``hist_sample`` bounds the
+    elements a histogram counts per tensor (see decode).
+    """
 
-    def _layout(self, sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Segment ids (element -> parameter) and lengths, cached per set of present gradients."""
-        key = (tuple(sizes), str(device))
-        cached = self._seg_cache.get(key)
-        if cached is None:
-            lengths = torch.tensor(sizes, device=device)
-            cached = (torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths), lengths)
-            self._seg_cache[key] = cached
-        return cached
+    def __init__(self, shapes: list[torch.Size], device: torch.device, hist_sample: int | None = None):
+        sizes = [math.prod(s) for s in shapes]
+        if min(sizes, default=0) == 0:
+            raise ValueError("cannot describe an empty tensor")
+        self.width = w = _pick_width(sizes)
+        rows = [-(-n // w) for n in sizes]
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + r * w)
+        starts.pop()
+        self.n, self.n_rows = len(sizes), sum(rows)
+        self.buffer = torch.empty(self.n_rows * w, device=device)
+        self.slots = [self.buffer[s:s + n].view(shape) for s, n, shape in zip(starts, sizes, shapes, strict=True)]
+        long = dict(device=device, dtype=torch.long)
+        pads = [(s + n, s + r * w, s) for s, n, r in zip(starts, sizes, rows, strict=True) if r * w > n]
+        self._pad_dst = torch.cat([torch.arange(a, b, **long) for a, b, _ in pads]) if pads else None
+        self._pad_src = torch.cat([torch.full((b - a,), s, **long) for a, b, s in pads]) if pads else None
+        self._row_seg = torch.repeat_interleave(torch.arange(self.n, **long), torch.tensor(rows, **long))
+        self._row_first = torch.tensor(starts, **long)[self._row_seg]  # where the row's tensor starts
+        self._sizes = np.asarray(sizes, dtype=np.float64)
+        self._seg_rows = np.cumsum([0, *rows[:-1]])  # the first row of each tensor
+        # Histogram positions: every element of a tensor up to hist_sample of them, else a fixed
+        # uniform subset (drawn once, from its own generator: the training RNG is not touched).
+        gen = torch.Generator().manual_seed(0)
+        picks = [torch.arange(n) if not hist_sample or n <= hist_sample
+                 else torch.randperm(n, generator=gen)[:hist_sample].sort().values for n in sizes]
+        self.exact_hist = all(len(p) == n for p, n in zip(picks, sizes, strict=True))
+        self._hist_scale = self._sizes / np.asarray([len(p) for p in picks], dtype=np.float64)
+        self._hist_pos = self._hist_seg = None
+        if not self.exact_hist:
+            self._hist_pos = torch.cat([s + p for s, p in zip(starts, picks, strict=True)]).to(device)
+            taken = torch.tensor([len(p) for p in picks])
+            self._hist_seg = torch.repeat_interleave(torch.arange(self.n), taken).to(device)
+        self._seg_first_row = torch.tensor(self._seg_rows, **long)
+        self._pads_dev = torch.tensor([r * w - n for n, r in zip(sizes, rows, strict=True)], **long)
 
     @torch.no_grad()
-    def compute(self) -> GradStatsResult | None:
-        """Describe the current ``.grad`` of every matched parameter (parameters without one are skipped)."""
-        present = [(n, p.grad) for n, p in self.named if p.grad is not None]
-        if not present:
-            return None
-        names = [n for n, _ in present]
-        grads = [g for _, g in present]
-        device = grads[0].device
-        flat = torch.cat([g.detach().reshape(-1).to(device=device, dtype=torch.float32) for g in grads])
-        seg, lengths = self._layout([g.numel() for g in grads], device)
-        n_params = len(grads)
-        # One segmented sum over [sum, sum of squares, zeros, negatives], in float64 so that the
-        # variance from sums stays exact enough; min/max by scatter_reduce.
-        wide = flat.double() if device.type != "mps" else flat
-        columns = torch.stack([wide, wide * wide, (flat == 0).to(wide.dtype), (flat < 0).to(wide.dtype)], dim=1)
-        sums = torch.segment_reduce(columns, "sum", lengths=lengths, axis=0)
-        count = lengths.to(wide.dtype)
-        total, sumsq, zeros, negs = sums.unbind(dim=1)
-        mean = total / count
-        std = ((sumsq - total * mean) / (count - 1)).clamp_min(0).sqrt()  # unbiased, as Tensor.std()
-        mins = torch.full((n_params,), float("inf"), device=device).scatter_reduce_(0, seg, flat, "amin")
-        maxs = torch.full((n_params,), float("-inf"), device=device).scatter_reduce_(0, seg, flat, "amax")
-        table = torch.stack([sumsq.sqrt(), mean, std, mins.to(wide.dtype), maxs.to(wide.dtype),
-                             zeros / count, negs / count], dim=1)
-        parts = [table.reshape(-1), sumsq.sum().sqrt().reshape(1)]
-        if self.hist_bins > 0:
-            bins = self.hist_bins
-            idx = _bin_index(flat, mins[seg], maxs[seg], bins)
-            parts.append(_count(seg * bins + idx, n_params * bins).to(wide.dtype))
-        host = torch.cat(parts).tolist()  # the one device-to-host transfer of this log step
-        n_stats = len(GRAD_STATS)
-        values = [host[i * n_stats:(i + 1) * n_stats] for i in range(n_params)]
-        global_norm = host[n_params * n_stats]
-        result = GradStatsResult(names, values, global_norm)
-        if self.hist_bins > 0:
-            start = n_params * n_stats + 1
-            result.hist = [host[start + i * self.hist_bins:start + (i + 1) * self.hist_bins]
-                           for i in range(n_params)]
-        return result
+    def reduce(self, hist_bins: int = 0) -> torch.Tensor:
+        """The device half of describing what the slots hold: a flat float64 tensor of per-row sums
+        (and histogram counts) for :meth:`decode`. Row-wise float reductions only: on the CPU they are
+        vectorised and threaded, while scatters over segments and reductions of bool masks are not."""
+        flat = self.buffer
+        x = flat.view(self.n_rows, self.width)
+        if self._pad_dst is not None:  # zero pads add nothing to the sums of squares and signs
+            flat.index_fill_(0, self._pad_dst, 0.0)
+        sign = torch.sign(x).nan_to_num_(1.0)  # 0 for zeros, -1 for negatives (NaN: neither)
+        norm_x = torch.linalg.vector_norm(x, dim=1)
+        if self._pad_dst is not None:  # pads that repeat the first element keep min and max exact
+            flat.index_put_((self._pad_dst,), flat[self._pad_src])
+        row_ref = flat[self._row_first]
+        # Shifted by its tensor's first element, the sums of d and d^2 give an exact variance even
+        # when |mean| >> std, and the pads add nothing to them.
+        d = x - row_ref.nan_to_num(0.0, 0.0, 0.0)[:, None]
+        lo, hi = x.amin(1), x.amax(1)
+        rows = torch.stack([d.sum(1), torch.linalg.vector_norm(d, dim=1), norm_x,
+                            torch.linalg.vector_norm(sign, dim=1), sign.sum(1), lo, hi, row_ref], dim=1)
+        if hist_bins <= 0:
+            return rows.view(-1).double()
+        if self.n_rows == self.n:
+            mins, maxs = lo, hi
+        else:
+            mins = torch.full((self.n,), math.inf, device=x.device).scatter_reduce_(0, self._row_seg, lo, "amin")
+            maxs = torch.full((self.n,), -math.inf, device=x.device).scatter_reduce_(0, self._row_seg, hi, "amax")
+        width = (maxs - mins).clamp_min(1e-30)
+        if self._hist_pos is None:  # every element, in place in the rows; the pads are taken out after
+            seg = self._row_seg
+            counts = _count(_bin_index(x, mins[seg, None], width[seg, None], hist_bins, seg[:, None]).view(-1),
+                            self.n * hist_bins)
+            if self._pad_dst is not None:
+                tensors = torch.arange(self.n, device=x.device)
+                first = row_ref[self._seg_first_row]
+                counts.index_add_(0, _bin_index(first, mins, width, hist_bins, tensors), -self._pads_dev)
+        else:  # a fixed subset of the elements of the tensors larger than hist_sample
+            seg = self._hist_seg
+            values = flat.index_select(0, self._hist_pos)
+            counts = _count(_bin_index(values, mins.index_select(0, seg), width.index_select(0, seg), hist_bins, seg),
+                            self.n * hist_bins)
+        return torch.cat([rows.view(-1).double(), counts.double()])
+
+    def decode(self, host: np.ndarray, hist_bins: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """The host half: ``[tensors, len(GRAD_STATS)]`` statistics over every element, and
+        ``[tensors, hist_bins]`` counts over each tensor's [min, max] (as ``torch.histc``; a tensor
+        larger than ``hist_sample`` has its counts taken from its fixed subset, scaled to its size)."""
+        rows = host[:self.n_rows * 8].reshape(self.n_rows, 8)
+        starts = self._seg_rows
+        sums = rows[:, :5].copy()
+        sums[:, 1:3] **= 2  # the row norms of d and x, squared: sums of squares
+        sums[:, 3] = np.rint(sums[:, 3] ** 2)  # the row norm of the signs, squared: a count
+        s_d, ss_d, ss_x, nonzero, pos_minus_neg = np.add.reduceat(sums, starts, axis=0).T
+        mins, maxs = np.minimum.reduceat(rows[:, 5], starts), np.maximum.reduceat(rows[:, 6], starts)
+        first, count = rows[starts, 7], self._sizes
+        with np.errstate(all="ignore"):
+            mean = np.where(np.isfinite(first), first, 0.0) + s_d / count
+            std = np.sqrt(np.maximum((ss_d - s_d * s_d / count) / (count - 1), 0.0))
+            norm = np.sqrt(ss_x)
+            zeros = count - nonzero
+            negs = (nonzero - pos_minus_neg) / 2
+            table = np.stack([norm, mean, std, mins, maxs, zeros / count, negs / count], axis=1)
+        if hist_bins <= 0:
+            return table, None
+        counts = host[self.n_rows * 8:].reshape(self.n, hist_bins)
+        return table, counts if self.exact_hist else counts * self._hist_scale[:, None]
 
 
-def _bin_index(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
-    """The bin of every value among ``bins`` equal bins over [lo, hi] (per element: lo/hi broadcast)."""
-    return ((flat - lo) / (hi - lo).clamp_min(1e-30) * bins).floor().clamp(0, bins - 1).nan_to_num(0).long()
+def _bin_index(x: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, bins: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor * bins`` plus the bin of every value among ``bins`` equal bins over [lo, lo + width]
+    (``torch.histc``'s arithmetic: the maximum goes to the last bin; NaN goes to the first)."""
+    return ((x - lo) / width * bins).nan_to_num_(0).long().clamp_(0, bins - 1).add_(tensor * bins)
 
 
 def _count(index: torch.Tensor, size: int) -> torch.Tensor:
     """How often each of ``range(size)`` occurs in ``index``: bincount on the CPU (fast), index_add_
     elsewhere (bincount would sync to size its output)."""
     if index.device.type == "cpu":
-        return torch.bincount(index, minlength=size).float()
+        return torch.bincount(index, minlength=size)
     return torch.zeros(size, device=index.device).index_add_(0, index, torch.ones(index.shape, device=index.device))
 
 
-def _histogram(flat: torch.Tensor, bins: int) -> torch.Tensor:
-    """``[lo, hi, count_1 .. count_bins]`` over [min, max], on device and without a host sync."""
-    lo, hi = flat.min(), flat.max()
-    return torch.cat([lo.reshape(1), hi.reshape(1), _count(_bin_index(flat, lo, hi, bins), bins)])
+class _Layouts:
+    """A few :class:`Packed` layouts by shape key (a smaller last batch is a second layout)."""
+
+    def __init__(self, hist_sample: int | None, keep: int = 4):
+        self.hist_sample, self.keep = hist_sample, keep
+        self._cache: OrderedDict[Any, Packed] = OrderedDict()
+
+    def get(self, key: Any, shapes: list[torch.Size], device: torch.device) -> Packed:
+        packed = self._cache.get(key)
+        if packed is None or packed.buffer.device != device:
+            packed = self._cache[key] = Packed(shapes, device, self.hist_sample)
+            if len(self._cache) > self.keep:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return packed
 
 
-class ActivationStats:
-    """Mean, std and fraction of zeros of the outputs of matched modules, on log steps only."""
+@dataclass
+class GradStatsResult:
+    """Gradient statistics of one log step, on the host."""
 
-    def __init__(self, model: nn.Module, pattern: str | None, hist_bins: int = 0):
-        self.named = _match(model, pattern, "module", "stats.activations") if pattern else []
+    names: list[str]
+    values: list[list[float]]  # [P][len(GRAD_STATS)]
+    global_norm: float
+    hist: list[list[float]] | None = None  # [P][bins], over each parameter's [min, max]
+    keys: list[list[str]] | None = None  # grad/<name>/<stat>, cached by StepStats
+
+    @property
+    def hist_range(self) -> list[tuple[float, float]]:
+        return [(row[_COL["min"]], row[_COL["max"]]) for row in self.values]
+
+    def metrics(self) -> dict[str, float]:
+        keys = self.keys or [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.names]
+        out = {k: v for ks, row in zip(keys, self.values, strict=True) for k, v in zip(ks, row, strict=True)}
+        out["grad/global_norm"] = self.global_norm
+        return out
+
+
+@dataclass
+class StepStatsResult:
+    """Everything :class:`StepStats` read back on one log step."""
+
+    grads: GradStatsResult | None
+    activations: dict[str, float]  # act/<module>/<stat>
+    act_hists: dict[str, tuple[list[float], float, float]]  # module -> (counts, lo, hi)
+    extra: list[float]  # the values of the ``extra`` tensor given to finish
+
+
+class StepStats:
+    """The statistics of one log step: gradients of the parameters ``grads`` matches and outputs of
+    the modules ``activations`` matches, packed into one buffer, described by one :meth:`Packed.reduce`
+    and read back in one device-to-host transfer (with whatever else the caller wants read).
+
+    The trainer calls :meth:`begin` before the forward of a log step (activation hooks exist only
+    from then until :meth:`finish`), :meth:`capture_grads` right before ``optimizer.step()``, and
+    :meth:`finish` after it. A module called twice in one forward is described by its last call.
+    Each output is copied into its slot when the hook runs, so an in-place op later in the forward
+    cannot change what is described.
+    """
+
+    def __init__(self, model: nn.Module, grads: str | None = "*", activations: str | None = None,
+                 hist_bins: int = 0, hist_sample: int | None = None):
+        matched = _match(model, grads, "parameter", "stats.grads") if grads else []
+        self.params = [(n, p) for n, p in matched if p.requires_grad]
+        self.modules = _match(model, activations, "module", "stats.activations") if activations else []
         self.hist_bins = hist_bins
+        self._layouts = _Layouts(hist_sample)
+        self._packed: Packed | None = None
+        self._slots: dict[tuple[str, str], torch.Tensor] = {}
+        self._seen: dict[tuple[str, str], torch.Tensor] = {}  # what this log step copied, by (kind, name)
         self._handles: list[Any] = []
-        self._rows: dict[str, torch.Tensor] = {}
-        self.hists: dict[str, tuple[list[float], float, float]] = {}  # of the last log step
+        self._keys: dict[tuple[tuple[str, str], ...], tuple[list[list[str]], list[list[str]]]] = {}
 
+    # -- collecting --------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Attach the forward hooks for one log step."""
-        for name, module in self.named:
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+        """Attach the activation hooks for one log step."""
+        for name, module in self.modules:
+            self._handles.append(module.register_forward_hook(self._hook(("act", name))))
 
-    def _hook(self, name: str) -> Any:
+    def _hook(self, key: tuple[str, str]) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if isinstance(output, torch.Tensor) and output.is_floating_point():
+            if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
                 with torch.no_grad():
-                    x = output.detach().float()
-                    # (measured on CPU: faster than torch.std_mean + count_nonzero)
-                    row = torch.stack([x.mean(), x.std(), (x == 0).float().mean()])
-                    if self.hist_bins > 0:
-                        row = torch.cat([row, _histogram(x.reshape(-1), self.hist_bins)])
-                    self._rows[name] = row
+                    self._keep(key, output.detach())
         return hook
 
-    def end(self) -> dict[str, float]:
-        """Remove the hooks and return ``act/<module>/<stat>`` (one transfer)."""
+    def _keep(self, key: tuple[str, str], t: torch.Tensor) -> None:
+        slot = self._slots.get(key)
+        if slot is not None and slot.shape == t.shape and slot.device == t.device:
+            self._seen[key] = slot.copy_(t)
+        else:  # a new shape: kept aside, packed by finish
+            self._seen[key] = t.float().clone()
+
+    @torch.no_grad()
+    def capture_grads(self) -> None:
+        """Copy every matched parameter's ``.grad`` (skipping absent or empty ones): one foreach call."""
+        fit_slots, fit_grads = [], []
+        for name, p in self.params:
+            g = p.grad
+            if g is None or not g.numel():
+                continue
+            key = ("grad", name)
+            slot = self._slots.get(key)
+            if slot is not None and slot.shape == g.shape and slot.device == g.device:
+                fit_slots.append(slot)
+                fit_grads.append(g.detach())
+                self._seen[key] = slot
+            else:
+                self._keep(key, g.detach())
+        if fit_slots:
+            torch._foreach_copy_(fit_slots, fit_grads)
+
+    # -- describing --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self, extra: torch.Tensor | None = None) -> StepStatsResult:
+        """Remove the activation hooks, describe what was collected, and read it back together with
+        ``extra`` (any tensor, flattened) in one transfer."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if not self._rows:
-            return {}
-        names = list(self._rows)
-        host = torch.stack([self._rows[n] for n in names]).tolist()
-        self._rows.clear()
-        self.hists = {n: (row[5:], row[3], row[4]) for n, row in zip(names, host, strict=True) if len(row) > 5}
-        return {f"act/{n}/{s}": v for n, row in zip(names, host, strict=True)
-                for s, v in zip(ACT_STATS, row[:len(ACT_STATS)], strict=True)}
+        seen, self._seen = self._seen, {}
+        keys = tuple(seen)
+        packed = None
+        if keys:
+            tensors = [seen[k] for k in keys]
+            shapes = [t.shape for t in tensors]
+            packed = self._layouts.get((keys, tuple(shapes)), shapes, tensors[0].device)
+            if packed is not self._packed:
+                self._packed, self._slots = packed, dict(zip(keys, packed.slots, strict=True))
+            stale = [(slot, t) for slot, t in zip(packed.slots, tensors, strict=True) if slot is not t]
+            if stale:
+                torch._foreach_copy_([s for s, _ in stale], [t for _, t in stale])
+        parts = [packed.reduce(self.hist_bins)] if packed is not None else []
+        if extra is not None:
+            parts.append(extra.detach().reshape(-1).to(parts[0].device if parts else extra.device, torch.float64))
+        if not parts:
+            return StepStatsResult(None, {}, {}, [])
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one transfer
+        n_extra = extra.numel() if extra is not None else 0
+        result = StepStatsResult(None, {}, {}, host[len(host) - n_extra:].tolist())
+        if packed is None:
+            return result
+        table, hist = packed.decode(host[:len(host) - n_extra], self.hist_bins)
+        grad_keys, act_keys = self._metric_keys(keys)
+        is_grad = np.array([kind == "grad" for kind, _ in keys])
+        if is_grad.any():
+            g = table[is_grad]
+            result.grads = GradStatsResult(
+                [n for kind, n in keys if kind == "grad"], g.tolist(),
+                float(np.sqrt(np.square(g[:, _COL["norm"]]).sum())),
+                hist[is_grad].tolist() if hist is not None else None, grad_keys)
+        if not is_grad.all():
+            a = table[~is_grad]
+            values = a[:, [_COL[s] for s in ACT_STATS]].tolist()
+            result.activations = {k: v for ks, row in zip(act_keys, values, strict=True)
+                                  for k, v in zip(ks, row, strict=True)}
+            if hist is not None:
+                names = [n for kind, n in keys if kind == "act"]
+                result.act_hists = {n: (h, lo, hi) for n, h, lo, hi in zip(
+                    names, hist[~is_grad].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
+                    strict=True)}
+        return result
+
+    def _metric_keys(self, keys: tuple[tuple[str, str], ...]) -> tuple[list[list[str]], list[list[str]]]:
+        cached = self._keys.get(keys)
+        if cached is None:
+            cached = self._keys[keys] = (
+                [[f"grad/{n}/{s}" for s in GRAD_STATS] for kind, n in keys if kind == "grad"],
+                [[f"act/{n}/{s}" for s in ACT_STATS] for kind, n in keys if kind == "act"])
+        return cached
+
+
+class GradStats:
+    """Gradient statistics alone: ``compute()`` describes the current ``.grad`` of every parameter
+    ``pattern`` matches (target grammar) that has one."""
+
+    def __init__(self, model: nn.Module, pattern: str | None = "*", hist_bins: int = 0,
+                 hist_sample: int | None = None):
+        self._stats = StepStats(model, pattern, None, hist_bins, hist_sample)
+        self.named = self._stats.params
+
+    def compute(self) -> GradStatsResult | None:
+        self._stats.capture_grads()
+        return self._stats.finish().grads
+
+
+class ActivationStats:
+    """Activation statistics alone: ``begin()`` before a forward, ``end()`` after it returns
+    ``act/<module>/<stat>``; ``hists`` holds the histograms of the last ``end()``."""
+
+    def __init__(self, model: nn.Module, pattern: str | None, hist_bins: int = 0, hist_sample: int | None = None):
+        self._stats = StepStats(model, None, pattern, hist_bins, hist_sample)
+        self.named = self._stats.modules
+        self.hists: dict[str, tuple[list[float], float, float]] = {}
+
+    def begin(self) -> None:
+        self._stats.begin()
+
+    def end(self) -> dict[str, float]:
+        result = self._stats.finish()
+        self.hists = result.act_hists
+        return result.activations

@@ -37,9 +37,10 @@ from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.guard import NonFiniteGuard
 from hookexp.guard import as_dict as guard_summary
 from hookexp.manifest import build_manifest, write_json
+from hookexp.meter import TrainMeter
 from hookexp.plots import plot_grad_norms
 from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger
-from hookexp.stats import ActivationStats, GradStats
+from hookexp.stats import StepStats
 from hookexp.validate import validate
 
 log = logging.getLogger("hookexp.train")
@@ -191,8 +192,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         forward = torch.compile(forward, backend=cfg.trainer.compile_backend)
     # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
     guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None, device=device)
-    grad_stats = GradStats(model, cfg.stats.grads, cfg.stats.hist_bins)
-    act_stats = ActivationStats(model, cfg.stats.activations, cfg.stats.hist_bins)
+    hist_sample = _hist_sample(cfg.stats.hist_sample)
+    step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, hist_sample)
     loop = LoopState()
     if resumed is not None:
         try:
@@ -227,11 +228,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # Gradient statistics see the final .grad right before the update: registered after attach(), this
     # optimizer pre-hook runs after the pre_step specs. It works only on log steps (hooks.measuring).
-    captured: dict[str, Any] = {}
-
     def capture_grad_stats(opt: Any, args: Any, kwargs: Any) -> None:
         if hooks.measuring:
-            captured["grads"] = grad_stats.compute()
+            step_stats.capture_grads()
 
     stats_handle = optimizer.register_step_pre_hook(capture_grad_stats)
 
@@ -242,21 +241,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     def save_checkpoint() -> Path:
         path = run_dir / "checkpoints" / "last.pt"
+        if local is not None:  # the checkpoint counts the lines written so far: they must be on disk
+            local.flush()
         checkpoint.save(path, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hooks": hooks.state_dict(),
             "rng": checkpoint.rng_state(), "metrics_lines": local.lines if local else 0,
             "wandb_id": wandb_sink.run_id if wandb_sink else None,
             "loop": {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "epoch_rng": epoch_rng,
-                     "loss_sum": loss_sum.item(), "correct": int(correct.item()), "seen": seen, "batches": batches,
-                     "last_log_step": last_log_step, "best_acc": best_acc, "summary": summary},
+                     **meter.snapshot(), "last_log_step": last_log_step, "best_acc": best_acc, "summary": summary},
         })
         return path
 
     try:
         stop.install()
-        loss_sum = torch.tensor(loop.loss_sum, device=device)
-        correct = torch.tensor(loop.correct, device=device, dtype=torch.long)
-        seen, batches = loop.seen, loop.batches
+        meter = TrainMeter(device, loop.loss_sum, loop.correct, loop.seen, loop.batches, loop.last_log_step)
         last_log_time, last_log_step = time.perf_counter(), loop.last_log_step
         loop_started, eval_s = time.perf_counter(), 0.0
         bar = tqdm(total=total_steps, initial=step, disable=not cfg.trainer.progress, desc="train", unit="step",
@@ -279,7 +277,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 log_now = step % every == 0 or step == total_steps - 1
                 hooks.measuring = log_now
                 if log_now:
-                    act_stats.begin()
+                    step_stats.begin()
 
                 try:
                     with amp.autocast():
@@ -296,23 +294,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     optimizer.zero_grad(set_to_none=True)
                 hooks.set_step(step + 1)  # also when a step was skipped (guard, or fp16 overflow)
 
-                loss_sum += loss.detach()
-                correct += (logits.detach().argmax(dim=1) == y).sum()
-                seen += len(y)
-                batches += 1
+                meter.add(step, loss, logits, y)
                 if log_now:
-                    guard.on_log_step(loss, step)
-                    metrics = act_stats.end()
-                    totals = ranks.sum(torch.stack([loss_sum, torch.tensor(float(batches), device=device),
-                                                    correct.float(), torch.tensor(float(seen), device=device)]))
-                    loss_total, n_batches, n_correct, n_seen = totals.tolist()  # one transfer
-                    loss_v, acc_v = loss_total / n_batches, n_correct / n_seen
+                    # one device-to-host transfer: the statistics, the loss and accuracy, the guard's view
+                    pending = meter.pending()
+                    totals = ranks.sum(meter.totals()) if ranks.enabled else None
+                    read = step_stats.finish(torch.cat([totals, pending]) if totals is not None else pending)
+                    host = read.extra
+                    loss_v, acc_v, first_bad = meter.read(host[4:] if totals is not None else host)
+                    if totals is not None:  # every rank's steps
+                        loss_v, acc_v = host[0] / max(host[2], 1), host[1] / max(host[3], 1)
+                    guard.on_log_step(first_bad, loss, step)
+                    metrics = dict(read.activations)
                     now = time.perf_counter()
                     metrics.update({"train/loss": loss_v, "train/acc": acc_v, "epoch": epoch,
                                     "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1)})
                     last_log_time, last_log_step = now, step + 1
-                    grads = captured.pop("grads", None)
-                    hists = {f"act/{n}/hist": h for n, h in act_stats.hists.items()}
+                    grads = read.grads
+                    hists = {f"act/{n}/hist": h for n, h in read.act_hists.items()}
                     if grads is not None:
                         metrics.update(grads.metrics())
                         if grads.hist is not None:
@@ -323,9 +322,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     sinks.log(metrics, step, hists)
                     summary.update({k: metrics[k] for k in ("train/loss", "train/acc")})
                     bar.set_postfix(loss=f"{loss_v:.4f}", acc=f"{acc_v:.3f}")
-                    loss_sum.zero_()
-                    correct.zero_()
-                    seen = batches = 0
                 bar.update(1)
                 step += 1
                 batch_in_epoch += 1
@@ -463,6 +459,12 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _hist_sample(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise ConfigError(f"must be at least 1 (or null: count every element), got {value}.", key="stats.hist_sample")
+    return value
 
 
 def _save_records(hooks: HookHandle, run_dir: Path) -> None:

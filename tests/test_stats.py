@@ -95,3 +95,59 @@ def test_activation_stats_only_while_begun():
     assert not m[1]._forward_hooks
     assert close(got["act/1/mean"], out.mean().item()) and close(got["act/1/std"], out.std().item())
     assert close(got["act/1/frac_zero"], (out == 0).float().mean().item())
+
+
+def test_mean_and_std_stay_exact_when_the_mean_dominates():
+    """Sums of squares in float32 would lose std entirely here; the shifted sums keep it."""
+    torch.manual_seed(0)
+    g = 1000 + 1e-3 * torch.randn(5000)
+    (row,) = GradStats(model_with_grads({"g": g}), "*").compute().values
+    want = g.double()
+    assert math.isclose(row[1], want.mean().item(), rel_tol=1e-9)
+    assert math.isclose(row[2], want.std().item(), rel_tol=1e-3)
+    assert math.isclose(row[0], want.norm().item(), rel_tol=1e-6)
+
+
+def test_histograms_sample_large_tensors_and_keep_small_ones_exact():
+    torch.manual_seed(0)
+    grads = {"big": torch.randn(10_000), "small": torch.randn(300)}
+    exact = GradStats(model_with_grads(grads), "*", hist_bins=16).compute()
+    sampled = GradStats(model_with_grads(grads), "*", hist_bins=16, hist_sample=1000).compute()
+    assert sampled.values == exact.values  # only the histogram counts are sampled
+    big, small = sampled.hist
+    assert small == exact.hist[1] == torch.histc(grads["small"], 16, *exact.hist_range[1]).tolist()
+    assert sum(big) == 10_000 and all(c % 10 == 0 for c in big)  # 1,000 of 10,000 counted, scaled by 10
+    assert max(abs(a - b) for a, b in zip(big, exact.hist[0], strict=True)) < 0.03 * 10_000
+    assert big != exact.hist[0]
+
+
+def test_activation_stats_follow_shape_changes_and_see_the_output_before_inplace_ops():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    acts = ActivationStats(m, "0", hist_bins=4)
+    for batch in (16, 5, 16):
+        x = torch.randn(batch, 4)
+        acts.begin()
+        m(x)
+        got = acts.end()
+        ref = m[0](x).detach()  # what the Linear returned, before the in-place ReLU overwrote it
+        assert close(got["act/0/mean"], ref.mean().item()) and close(got["act/0/std"], ref.std().item())
+        counts, lo, hi = acts.hists["0"]
+        assert (lo, hi) == (ref.min().item(), ref.max().item())
+        assert counts == torch.histc(ref, 4, lo, hi).tolist()
+
+
+def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer():
+    from hookexp.stats import StepStats
+
+    m = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    stats = StepStats(m, "*.weight", "1", hist_bins=2)
+    stats.begin()
+    out = m(torch.randn(8, 3))
+    out.sum().backward()
+    stats.capture_grads()
+    read = stats.finish(torch.tensor([1.5, 2.5]))
+    assert read.extra == [1.5, 2.5]
+    assert read.grads.names == ["0.weight"] and read.grads.values[0] == pytest.approx(reference(m[0].weight.grad))
+    assert read.activations["act/1/mean"] == pytest.approx(out.mean().item())
+    assert sum(read.act_hists["1"][0]) == 16 and sum(read.grads.hist[0]) == 6
+    assert not m[1]._forward_hooks

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import read_jsonl
 from hydra import compose, initialize_config_module
 
 from hookexp.engine import HookHandle, SpecBinding
-from hookexp.stats import ActivationStats, GradStats
+from hookexp.stats import StepStats
 from hookexp.train import train
 
 
@@ -32,8 +34,8 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
 
         monkeypatch.setattr(cls, name, wrapper)
 
-    counting(GradStats, "compute")
-    counting(ActivationStats, "begin")
+    counting(StepStats, "capture_grads")
+    counting(StepStats, "begin")
     counting(SpecBinding, "measure")
     counting(HookHandle, "stats")
     cfg = config("hooks=[clamp_conv,dead_relu_probe]", "stats.every=5", "trainer.max_steps=12",
@@ -42,7 +44,7 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
     log_steps = [0, 5, 10, 11]
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["trainer/step"] for r in rows] == log_steps
-    assert counts["compute"] == counts["begin"] == counts["stats"] == len(log_steps)
+    assert counts["capture_grads"] == counts["begin"] == counts["stats"] == len(log_steps)
     # clamp_conv measures 2 tensors a log step, dead_relu_probe 3 (relu1..3)
     assert counts["measure"] == (2 + 3) * len(log_steps)
     assert summary["hook/clamp_conv/calls"] == 2 * 12
@@ -173,3 +175,33 @@ def test_compiled_and_eager_runs_give_equal_first_step_gradients(tmp_path: Path)
     assert len(grads) == 3 * 8
     for key in grads:
         assert first_compiled[key] == pytest.approx(first_eager[key], rel=1e-5, abs=1e-7), key
+
+
+def test_nan_policy_raise_names_the_step_past_a_fold_of_the_meter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The meter folds its kept losses on the device every FOLD steps; the first bad step survives the fold."""
+    from hookexp.guard import NonFiniteError
+    from hookexp.meter import TrainMeter
+
+    monkeypatch.setattr(TrainMeter, "FOLD", 2)
+    with pytest.raises(NonFiniteError, match=r"^first non-finite loss at step 4: loss nan at step 7;"):
+        train(config(*NAN_AT_3, "stats.every=100"), tmp_path)
+
+
+def test_meter_reads_loss_accuracy_and_first_bad_step_across_folds(monkeypatch: pytest.MonkeyPatch):
+    from hookexp.meter import TrainMeter
+
+    for fold in (2, 3, 100):
+        monkeypatch.setattr(TrainMeter, "FOLD", fold)
+        meter = TrainMeter(torch.device("cpu"))
+        losses = [1.0, 2.0, 3.0, float("inf"), 5.0, float("nan"), 7.0]
+        logits = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        for i, v in enumerate(losses):
+            meter.add(10 + i, torch.tensor(v), logits, torch.tensor([1, i % 2]))  # 2 right, then 1
+        loss, acc, first_bad = meter.read(meter.pending().tolist())
+        assert math.isnan(loss) and first_bad == 13, fold
+        assert acc == (7 + 4) / 14
+        for i, v in enumerate([1.0, 2.0, 4.0]):
+            meter.add(20 + i, torch.tensor(v), logits, torch.tensor([1, 0]))
+        totals = meter.totals().tolist()
+        assert meter.read(meter.pending().tolist()) == (7 / 3, 1.0, None)
+        assert totals == [7.0, 6.0, 3.0, 6.0]
