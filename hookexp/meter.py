@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from hookexp.stats import wide_dtype
+
 
 class TrainMeter:
     """Loss and accuracy of the steps since the last :meth:`read`."""
@@ -22,11 +24,12 @@ class TrainMeter:
     def __init__(self, device: torch.device, loss_sum: float = 0.0, correct: int = 0, seen: int = 0,
                  batches: int = 0, first_step: int = 0):
         self.device = device
+        self._wide = wide_dtype(device)
         self._losses: list[torch.Tensor] = []
         self._preds: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
         # folded steps: [loss sum, correct, index of the first non-finite loss or -1]
-        self._carry = torch.tensor([loss_sum, float(correct), -1.0], device=device, dtype=torch.float64)
+        self._carry = torch.tensor([loss_sum, float(correct), -1.0], device=device, dtype=self._wide)
         self._first_step = first_step  # the step of the period's first batch
         self.seen, self.batches = seen, batches
 
@@ -42,11 +45,11 @@ class TrainMeter:
             self._fold()
 
     def _correct(self) -> torch.Tensor:
-        return (torch.cat(self._preds) == torch.cat(self._labels)).sum().double()
+        return (torch.cat(self._preds) == torch.cat(self._labels)).sum().to(self._wide)
 
     def _fold(self) -> None:
-        losses = torch.stack(self._losses).double()
-        index = torch.arange(len(losses), device=losses.device, dtype=torch.float64) + (self.batches - len(losses))
+        losses = torch.stack(self._losses).to(self._wide)
+        index = torch.arange(len(losses), device=losses.device, dtype=self._wide) + (self.batches - len(losses))
         first_bad = torch.where(losses.isfinite(), math.inf, index).min()
         first = torch.where(self._carry[2] >= 0, self._carry[2], torch.where(first_bad.isfinite(), first_bad, -1.0))
         self._carry = torch.stack([self._carry[0] + losses.sum(), self._carry[1] + self._correct(), first])
@@ -58,16 +61,16 @@ class TrainMeter:
         """What :meth:`read` decodes: the carry and the kept losses and correct count (device)."""
         if not self._losses:
             return self._carry
-        losses = torch.stack(self._losses).double()
+        losses = torch.stack(self._losses).to(self._wide)
         return torch.cat([self._carry, self._correct().reshape(1), losses])
 
     def totals(self) -> torch.Tensor:
         """``[loss sum, correct, batches, seen]`` on the device (what ranks sum under DDP)."""
         loss_sum, correct = self._carry[0], self._carry[1]
         if self._losses:
-            loss_sum = loss_sum + torch.stack(self._losses).double().sum()
+            loss_sum = loss_sum + torch.stack(self._losses).to(self._wide).sum()
             correct = correct + self._correct()
-        counts = torch.tensor([float(self.batches), float(self.seen)], device=self._carry.device, dtype=torch.float64)
+        counts = torch.tensor([float(self.batches), float(self.seen)], device=self._carry.device, dtype=self._wide)
         return torch.cat([torch.stack([loss_sum, correct]), counts])
 
     def read(self, host: list[float]) -> tuple[float, float, int | None]:
@@ -90,7 +93,7 @@ class TrainMeter:
         self._losses.clear()
         self._preds.clear()
         self._labels.clear()
-        self._carry = torch.tensor([0.0, 0.0, -1.0], device=self.device, dtype=torch.float64)
+        self._carry = torch.tensor([0.0, 0.0, -1.0], device=self.device, dtype=self._wide)
         self.seen = self.batches = 0
 
     def snapshot(self) -> dict[str, float | int]:

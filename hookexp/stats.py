@@ -38,6 +38,11 @@ def _match(model: nn.Module, pattern: str, what: str, key: str) -> list[tuple[st
     return [(t.name, t.obj) for t in resolve(model, spec, what, config_key=key)]  # type: ignore[arg-type]
 
 
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """What sums are read back in: float64, except on MPS (which has none)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _pick_width(sizes: list[int]) -> int:
     """The row width with the least padding plus a per-row cost (wide rows for a few big tensors,
     narrow ones for many small tensors)."""
@@ -90,7 +95,9 @@ class Packed:
             taken = torch.tensor([len(p) for p in picks])
             self._hist_seg = torch.repeat_interleave(torch.arange(self.n), taken).to(device)
         self._seg_first_row = torch.tensor(self._seg_rows, **long)
-        self._pads_dev = torch.tensor([r * w - n for n, r in zip(sizes, rows, strict=True)], **long)
+        self._wide = wide_dtype(device)
+        self._pads_dev = torch.tensor([r * w - n for n, r in zip(sizes, rows, strict=True)], device=device,
+                                      dtype=self._wide)
 
     @torch.no_grad()
     def reduce(self, hist_bins: int = 0) -> torch.Tensor:
@@ -113,7 +120,7 @@ class Packed:
         rows = torch.stack([d.sum(1), torch.linalg.vector_norm(d, dim=1), norm_x,
                             torch.linalg.vector_norm(sign, dim=1), sign.sum(1), lo, hi, row_ref], dim=1)
         if hist_bins <= 0:
-            return rows.view(-1).double()
+            return rows.view(-1).to(self._wide)
         if self.n_rows == self.n:
             mins, maxs = lo, hi
         else:
@@ -123,7 +130,7 @@ class Packed:
         if self._hist_pos is None:  # every element, in place in the rows; the pads are taken out after
             seg = self._row_seg
             counts = _count(_bin_index(x, mins[seg, None], width[seg, None], hist_bins, seg[:, None]).view(-1),
-                            self.n * hist_bins)
+                            self.n * hist_bins).to(self._wide)
             if self._pad_dst is not None:
                 tensors = torch.arange(self.n, device=x.device)
                 first = row_ref[self._seg_first_row]
@@ -132,8 +139,8 @@ class Packed:
             seg = self._hist_seg
             values = flat.index_select(0, self._hist_pos)
             counts = _count(_bin_index(values, mins.index_select(0, seg), width.index_select(0, seg), hist_bins, seg),
-                            self.n * hist_bins)
-        return torch.cat([rows.view(-1).double(), counts.double()])
+                            self.n * hist_bins).to(self._wide)
+        return torch.cat([rows.view(-1).to(self._wide), counts])
 
     def decode(self, host: np.ndarray, hist_bins: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
         """The host half: ``[tensors, len(GRAD_STATS)]`` statistics over every element, and
@@ -245,6 +252,8 @@ class StepStats:
         self._slots: dict[tuple[str, str], torch.Tensor] = {}
         self._seen: dict[tuple[str, str], torch.Tensor] = {}  # what this log step copied, by (kind, name)
         self._handles: list[Any] = []
+        # (slots, params, seen) when every matched parameter has a slot: capture_grads without a loop
+        self._fast: tuple[list[torch.Tensor], list[nn.Parameter], dict[tuple[str, str], torch.Tensor]] | None = None
         self._keys: dict[tuple[tuple[str, str], ...], tuple[list[list[str]], list[list[str]]]] = {}
 
     # -- collecting --------------------------------------------------------------------------------
@@ -270,6 +279,14 @@ class StepStats:
     @torch.no_grad()
     def capture_grads(self) -> None:
         """Copy every matched parameter's ``.grad`` (skipping absent or empty ones): one foreach call."""
+        fast = self._fast
+        if fast is not None:  # the usual step: the same gradients as last time, all in their slots
+            slots, params, seen = fast
+            grads = [p.grad for p in params]
+            if all(g is not None and g.shape == s.shape for g, s in zip(grads, slots, strict=True)):
+                torch._foreach_copy_(slots, grads)
+                self._seen.update(seen)
+                return
         fit_slots, fit_grads = [], []
         for name, p in self.params:
             g = p.grad
@@ -285,6 +302,15 @@ class StepStats:
                 self._keep(key, g.detach())
         if fit_slots:
             torch._foreach_copy_(fit_slots, fit_grads)
+
+    def _remember_fast_path(self) -> None:
+        """After a step in which every matched parameter had a gradient in its slot."""
+        keys = [("grad", n) for n, _ in self.params]
+        if self.params and all(k in self._slots for k in keys):
+            slots = [self._slots[k] for k in keys]
+            self._fast = (slots, [p for _, p in self.params], dict(zip(keys, slots, strict=True)))
+        else:
+            self._fast = None
 
     # -- describing --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -303,12 +329,14 @@ class StepStats:
             packed = self._layouts.get((keys, tuple(shapes)), shapes, tensors[0].device)
             if packed is not self._packed:
                 self._packed, self._slots = packed, dict(zip(keys, packed.slots, strict=True))
+                self._remember_fast_path()
             stale = [(slot, t) for slot, t in zip(packed.slots, tensors, strict=True) if slot is not t]
             if stale:
                 torch._foreach_copy_([s for s, _ in stale], [t for _, t in stale])
         parts = [packed.reduce(self.hist_bins)] if packed is not None else []
         if extra is not None:
-            parts.append(extra.detach().reshape(-1).to(parts[0].device if parts else extra.device, torch.float64))
+            device = parts[0].device if parts else extra.device
+            parts.append(extra.detach().reshape(-1).to(device, wide_dtype(device)))
         if not parts:
             return StepStatsResult(None, {}, {}, [])
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one transfer

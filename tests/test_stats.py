@@ -151,3 +151,21 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer()
     assert read.activations["act/1/mean"] == pytest.approx(out.mean().item())
     assert sum(read.act_hists["1"][0]) == 16 and sum(read.grads.hist[0]) == 6
     assert not m[1]._forward_hooks
+
+
+def test_gradients_are_read_afresh_every_step_and_a_missing_one_is_skipped():
+    from hookexp.stats import StepStats
+
+    m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    stats = StepStats(m, "*")
+    for step in range(4):
+        m.zero_grad(set_to_none=True)
+        m(torch.randn(4, 3) * (step + 1)).sum().backward()
+        if step == 2:
+            m[1].bias.grad = None
+        stats.capture_grads()
+        grads = stats.finish().grads
+        present = [(n, p.grad) for n, p in m.named_parameters() if p.grad is not None]
+        assert grads.names == [n for n, _ in present]
+        for row, (_, g) in zip(grads.values, present, strict=True):
+            assert row == pytest.approx(reference(g), rel=1e-5, abs=1e-6), step
