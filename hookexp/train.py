@@ -192,8 +192,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         forward = torch.compile(forward, backend=cfg.trainer.compile_backend)
     # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
     guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None, device=device)
-    hist_sample = _hist_sample(cfg.stats.hist_sample)
-    step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, hist_sample)
+    try:
+        hist_sample = _hist_sample(cfg.stats.hist_sample)
+        step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, hist_sample)
+    except ConfigError:
+        hooks.remove()
+        raise
     loop = LoopState()
     if resumed is not None:
         try:

@@ -130,6 +130,14 @@ def test_nan_policy_unknown_is_refused(tmp_path: Path):
         train(config("trainer.nan_policy=skip", "trainer.max_steps=2"), tmp_path)
 
 
+def test_hist_sample_below_one_is_refused(tmp_path: Path):
+    from hookexp import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^stats\.hist_sample: must be at least 1 \(or null: count every element\), "
+                                          r"got 0\."):
+        train(config("stats.hist_sample=0", "trainer.max_steps=2"), tmp_path)
+
+
 def test_bf16_autocast_trains_small_cnn_with_clamp_conv(tmp_path: Path):
     summary = train(config("hooks=clamp_conv", "trainer.precision=bf16"), tmp_path)
     assert summary["status"] == "finished" and summary["val/acc"] > 0.85
