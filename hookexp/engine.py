@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +276,14 @@ class HookHandle:
         between them, ``frac_changed`` the fraction of elements the transform changed, all over the
         tensors measured since the last ``stats(reset=True)``. One host sync for all specs.
         """
+        values, decode = self.pending_stats(reset)
+        return decode(values.tolist() if values is not None else [])
+
+    def pending_stats(self, reset: bool = True) -> tuple[torch.Tensor | None,
+                                                         Callable[[list[float]], dict[str, dict[str, float]]]]:
+        """:meth:`stats` in two halves, so that a caller can read the device values together with its
+        own: the values (on the device; None when nothing was measured) and what turns them, read
+        back as a list, into the dict :meth:`stats` returns."""
         taken = [b.take_effects() if reset else (b._effect_sum, b._effect_tensors, b._effect_numel)
                  for b in self.bindings]
         emitted = [(b, name, torch.stack([v.to(values[0].device) for v in values]).mean())
@@ -284,19 +292,24 @@ class HookHandle:
             for b in self.bindings:
                 b.emitted.clear()
         device_values = [s for s, _, _ in taken if s is not None] + [m.reshape(1) for _, _, m in emitted]
-        host = iter(torch.cat([v.to(device_values[0].device) for v in device_values]).tolist()
-                    if device_values else [])  # one device-to-host transfer for all specs
-        out: dict[str, dict[str, float]] = {}
-        for b, (s, n, numel) in zip(self.bindings, taken, strict=True):
-            row: dict[str, float] = {"calls": float(b.calls), "calls_last_step": float(b.calls_last_step),
-                                     "targets": float(len(b.targets))}
-            if s is not None:
-                change, cos, changed = next(host), next(host), next(host)
-                row.update(change_norm=change / n, cosine=cos / n, frac_changed=changed / max(numel, 1))
-            out[b.spec.name] = row
-        for b, name, _ in emitted:
-            out[b.spec.name][name] = next(host)
-        return out
+        calls = [(float(b.calls), float(b.calls_last_step)) for b in self.bindings]
+
+        def decode(values: list[float]) -> dict[str, dict[str, float]]:
+            host = iter(values)
+            out: dict[str, dict[str, float]] = {}
+            for b, (s, n, numel), (total, last) in zip(self.bindings, taken, calls, strict=True):
+                row: dict[str, float] = {"calls": total, "calls_last_step": last, "targets": float(len(b.targets))}
+                if s is not None:
+                    change, cos, changed = next(host), next(host), next(host)
+                    row.update(change_norm=change / n, cosine=cos / n, frac_changed=changed / max(numel, 1))
+                out[b.spec.name] = row
+            for b, name, _ in emitted:
+                out[b.spec.name][name] = next(host)
+            return out
+
+        if not device_values:
+            return None, decode
+        return torch.cat([v.to(device_values[0].device).reshape(-1) for v in device_values]), decode
 
     def table(self) -> list[dict[str, Any]]:
         """The resolved hooks: one row per spec, for manifests, dry runs and W&B tables."""

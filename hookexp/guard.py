@@ -28,8 +28,7 @@ class NonFiniteError(HookexpError, FloatingPointError):
 
 
 class NonFiniteGuard:
-    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle, check_grads: bool = True,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle, check_grads: bool = True):
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.",
                               key="trainer.nan_policy")

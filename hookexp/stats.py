@@ -1,15 +1,15 @@
 """Gradient and activation statistics, computed batched and only on log steps.
 
-Both kinds pack the tensors they describe into one float32 buffer laid out as ``[rows, width]``
-(:class:`Packed`): each tensor fills whole rows, the tail of its last row repeats its first element.
-Every statistic is then one row-wise reduction over the whole buffer (vectorised and multi-threaded
-like any contiguous reduction, unlike a scatter over segments), and a tiny combine of rows into
-tensors. The cost is about a dozen kernels whatever the number of tensors, and the result is one
-``[tensors, stats]`` table that crosses to the host in a single transfer.
+:class:`StepStats` packs the gradients and the activations of one log step into one float32 buffer
+laid out as ``[rows, width]`` (:class:`Packed`): each tensor fills whole rows, the tail of its last
+row is padding. Every statistic is then a row-wise reduction over the whole buffer (vectorised and
+multi-threaded like any contiguous reduction, unlike a scatter over segments) on the device, and a
+combine of rows into tensors on the host. The cost is about thirty kernels whatever the number of
+tensors, read back in one transfer together with whatever else the log step reads.
 
-Gradients are packed right before ``optimizer.step()``; activations are copied into their slot by a
-forward hook that exists only during log steps (``begin`` attaches, ``end`` removes). Nothing here
-runs, and nothing syncs, on steps that do not log.
+Gradients are copied in right before ``optimizer.step()``; activations by a forward hook that
+exists only during log steps (``begin`` attaches, ``finish`` removes). Nothing here runs, and
+nothing syncs, on steps that do not log.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from hookexp.errors import ConfigError
 from hookexp.specs import HookSpec
 from hookexp.targets import resolve
 
@@ -87,10 +89,9 @@ class Packed:
         gen = torch.Generator().manual_seed(0)
         picks = [torch.arange(n) if not hist_sample or n <= hist_sample
                  else torch.randperm(n, generator=gen)[:hist_sample].sort().values for n in sizes]
-        self.exact_hist = all(len(p) == n for p, n in zip(picks, sizes, strict=True))
         self._hist_scale = self._sizes / np.asarray([len(p) for p in picks], dtype=np.float64)
         self._hist_pos = self._hist_seg = None
-        if not self.exact_hist:
+        if (self._hist_scale != 1).any():
             self._hist_pos = torch.cat([s + p for s, p in zip(starts, picks, strict=True)]).to(device)
             taken = torch.tensor([len(p) for p in picks])
             self._hist_seg = torch.repeat_interleave(torch.arange(self.n), taken).to(device)
@@ -130,7 +131,7 @@ class Packed:
         if self._hist_pos is None:  # every element, in place in the rows; the pads are taken out after
             seg = self._row_seg
             counts = _count(_bin_index(x, mins[seg, None], width[seg, None], hist_bins, seg[:, None]).view(-1),
-                            self.n * hist_bins).to(self._wide)
+                            self.n * hist_bins, self._wide)
             if self._pad_dst is not None:
                 tensors = torch.arange(self.n, device=x.device)
                 first = row_ref[self._seg_first_row]
@@ -139,7 +140,7 @@ class Packed:
             seg = self._hist_seg
             values = flat.index_select(0, self._hist_pos)
             counts = _count(_bin_index(values, mins.index_select(0, seg), width.index_select(0, seg), hist_bins, seg),
-                            self.n * hist_bins).to(self._wide)
+                            self.n * hist_bins, self._wide)
         return torch.cat([rows.view(-1).to(self._wide), counts])
 
     def decode(self, host: np.ndarray, hist_bins: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
@@ -164,7 +165,7 @@ class Packed:
         if hist_bins <= 0:
             return table, None
         counts = host[self.n_rows * 8:].reshape(self.n, hist_bins)
-        return table, counts if self.exact_hist else counts * self._hist_scale[:, None]
+        return table, counts if self._hist_pos is None else counts * self._hist_scale[:, None]
 
 
 def _bin_index(x: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, bins: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -173,12 +174,13 @@ def _bin_index(x: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, bins: int
     return ((x - lo) / width * bins).nan_to_num_(0).long().clamp_(0, bins - 1).add_(tensor * bins)
 
 
-def _count(index: torch.Tensor, size: int) -> torch.Tensor:
-    """How often each of ``range(size)`` occurs in ``index``: bincount on the CPU (fast), index_add_
-    elsewhere (bincount would sync to size its output)."""
+def _count(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """How often each of ``range(size)`` occurs in ``index``, as ``dtype``: bincount on the CPU (fast),
+    index_add_ elsewhere (bincount would sync to size its output)."""
     if index.device.type == "cpu":
-        return torch.bincount(index, minlength=size)
-    return torch.zeros(size, device=index.device).index_add_(0, index, torch.ones(index.shape, device=index.device))
+        return torch.bincount(index, minlength=size).to(dtype)
+    ones = torch.ones(index.shape, device=index.device, dtype=dtype)
+    return torch.zeros(size, device=index.device, dtype=dtype).index_add_(0, index, ones)
 
 
 class _Layouts:
@@ -226,7 +228,7 @@ class StepStatsResult:
     grads: GradStatsResult | None
     activations: dict[str, float]  # act/<module>/<stat>
     act_hists: dict[str, tuple[list[float], float, float]]  # module -> (counts, lo, hi)
-    extra: list[float]  # the values of the ``extra`` tensor given to finish
+    extra: list[list[float]]  # the values of each ``extra`` tensor given to finish (None: [])
 
 
 class StepStats:
@@ -243,6 +245,9 @@ class StepStats:
 
     def __init__(self, model: nn.Module, grads: str | None = "*", activations: str | None = None,
                  hist_bins: int = 0, hist_sample: int | None = None):
+        if hist_sample is not None and hist_sample < 1:
+            raise ConfigError(f"must be at least 1 (or null: count every element), got {hist_sample}.",
+                              key="stats.hist_sample")
         matched = _match(model, grads, "parameter", "stats.grads") if grads else []
         self.params = [(n, p) for n, p in matched if p.requires_grad]
         self.modules = _match(model, activations, "module", "stats.activations") if activations else []
@@ -269,12 +274,15 @@ class StepStats:
                     self._keep(key, output.detach())
         return hook
 
-    def _keep(self, key: tuple[str, str], t: torch.Tensor) -> None:
+    def _slot(self, key: tuple[str, str], t: torch.Tensor) -> torch.Tensor | None:
+        """The slot of the current layout that ``t`` fits, if any."""
         slot = self._slots.get(key)
-        if slot is not None and slot.shape == t.shape and slot.device == t.device:
-            self._seen[key] = slot.copy_(t)
-        else:  # a new shape: kept aside, packed by finish
-            self._seen[key] = t.float().clone()
+        return slot if slot is not None and slot.shape == t.shape and slot.device == t.device else None
+
+    def _keep(self, key: tuple[str, str], t: torch.Tensor) -> None:
+        slot = self._slot(key, t)
+        # a new shape: kept aside, packed by finish
+        self._seen[key] = slot.copy_(t) if slot is not None else t.float().clone()
 
     @torch.no_grad()
     def capture_grads(self) -> None:
@@ -293,8 +301,8 @@ class StepStats:
             if g is None or not g.numel():
                 continue
             key = ("grad", name)
-            slot = self._slots.get(key)
-            if slot is not None and slot.shape == g.shape and slot.device == g.device:
+            slot = self._slot(key, g)
+            if slot is not None:
                 fit_slots.append(slot)
                 fit_grads.append(g.detach())
                 self._seen[key] = slot
@@ -314,9 +322,9 @@ class StepStats:
 
     # -- describing --------------------------------------------------------------------------------
     @torch.no_grad()
-    def finish(self, extra: torch.Tensor | None = None) -> StepStatsResult:
+    def finish(self, *extra: torch.Tensor | None) -> StepStatsResult:
         """Remove the activation hooks, describe what was collected, and read it back together with
-        ``extra`` (any tensor, flattened) in one transfer."""
+        the ``extra`` tensors (any, flattened; None reads as []) in one transfer."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -334,17 +342,18 @@ class StepStats:
             if stale:
                 torch._foreach_copy_([s for s, _ in stale], [t for _, t in stale])
         parts = [packed.reduce(self.hist_bins)] if packed is not None else []
-        if extra is not None:
-            device = parts[0].device if parts else extra.device
-            parts.append(extra.detach().reshape(-1).to(device, wide_dtype(device)))
-        if not parts:
-            return StepStatsResult(None, {}, {}, [])
-        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one transfer
-        n_extra = extra.numel() if extra is not None else 0
-        result = StepStatsResult(None, {}, {}, host[len(host) - n_extra:].tolist())
+        given = [t for t in extra if t is not None]
+        device = parts[0].device if parts else given[0].device if given else None
+        parts += [t.detach().reshape(-1).to(device, wide_dtype(device)) for t in given]
+        host = torch.cat(parts).cpu().numpy() if parts else np.empty(0)  # the one transfer
+        offsets = np.cumsum([0, *(p.numel() for p in parts)])
+        chunks = [host[a:b] for a, b in pairwise(offsets)]
+        stats_host = chunks.pop(0) if packed is not None else None
+        values = iter(c.tolist() for c in chunks)
+        result = StepStatsResult(None, {}, {}, [next(values) if t is not None else [] for t in extra])
         if packed is None:
             return result
-        table, hist = packed.decode(host[:len(host) - n_extra], self.hist_bins)
+        table, hist = packed.decode(stats_host, self.hist_bins)
         grad_keys, act_keys = self._metric_keys(keys)
         is_grad = np.array([kind == "grad" for kind, _ in keys])
         if is_grad.any():

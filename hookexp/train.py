@@ -175,60 +175,58 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     model, optimizer, device, total_steps = run.model, run.optimizer, run.device, run.total_steps
     train_loader, val_loader = run.train_loader, run.val_loader
 
-    # -- hooks and statistics: every spec is checked here, before any training -----------------------
-    hook_specs = OmegaConf.to_container(cfg.hooks, resolve=True)
-    hooks = attach(model, hook_specs, optimizer, measure=False)
+    # -- statistics and hooks: every spec is checked here, before any training -----------------------
     every = cfg.stats.every
     if every < 1:
-        hooks.remove()
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
-    amp = MixedPrecision(cfg.trainer.precision, device, hooks)
-    # Wrapped and compiled after the hooks are attached: hook targets keep their names, grad-kind hooks
-    # run before DDP's all-reduce, and torch ignores hooks added to a compiled module.
-    forward: torch.nn.Module = model
-    if ranks.enabled:
-        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.trainer.compile:
-        forward = torch.compile(forward, backend=cfg.trainer.compile_backend)
-    # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
-    guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None, device=device)
-    try:
-        hist_sample = _hist_sample(cfg.stats.hist_sample)
-        step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, hist_sample)
-    except ConfigError:
+    step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, cfg.stats.hist_sample)
+    hook_specs = OmegaConf.to_container(cfg.hooks, resolve=True)
+    hooks = attach(model, hook_specs, optimizer, measure=False)
+    try:  # from here on a failure detaches the hooks again before it propagates
+        amp = MixedPrecision(cfg.trainer.precision, device, hooks)
+        # Wrapped and compiled after the hooks are attached: hook targets keep their names, grad-kind hooks
+        # run before DDP's all-reduce, and torch ignores hooks added to a compiled module.
+        forward: torch.nn.Module = model
+        if ranks.enabled:
+            forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if cfg.trainer.compile:
+            forward = torch.compile(forward, backend=cfg.trainer.compile_backend)
+        # under fp16 the GradScaler itself skips steps with overflowing gradients: the guard checks the loss
+        guard = NonFiniteGuard(cfg.trainer.nan_policy, model, hooks, check_grads=amp.scaler is None)
+        loop = LoopState()
+        if resumed is not None:
+            try:
+                model.load_state_dict(resumed["model"])
+                optimizer.load_state_dict(resumed["optimizer"])
+            except (RuntimeError, ValueError, KeyError) as e:
+                raise ConfigError(f"the checkpoint {ckpt_path} does not fit this model/optimizer ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]}). Resume with the config it was written with.",
+                                  key="resume") from None
+            hooks.load_state_dict(resumed["hooks"])
+            checkpoint.set_rng_state(resumed["rng"])
+            loop = LoopState(**resumed["loop"])
+
+        # -- outputs: manifest first, so that even a failed run says what it was --------------------------
+        config = OmegaConf.to_container(cfg, resolve=True)
+        table = hooks.table()
+        if main:
+            manifest = build_manifest(config, table, cfg.seed, Path.cwd())
+            write_json(run_dir / "manifest.json", {**manifest, "world_size": ranks.world_size})
+        if resumed is not None and main:  # keep exactly the lines written before the checkpoint
+            previous = ckpt_path.parent.parent / "metrics.jsonl"
+            kept = previous.read_text().splitlines(keepends=True) if previous.exists() else []
+            lines = kept[:resumed["metrics_lines"]]
+            (run_dir / "metrics.jsonl").write_text("".join(lines))
+        local = LocalFiles(run_dir) if main else None
+        wandb_sink = None
+        if main and cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
+            tags = list(cfg.logger.tags) + [b.spec.name for b in hooks.bindings if b.spec.enabled]
+            wandb_id = resumed.get("wandb_id") if resumed is not None else None
+            wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, table, run_id=wandb_id)
+        sinks = Sinks(local, wandb_sink) if local is not None else NullSinks()
+    except BaseException:
         hooks.remove()
         raise
-    loop = LoopState()
-    if resumed is not None:
-        try:
-            model.load_state_dict(resumed["model"])
-            optimizer.load_state_dict(resumed["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            hooks.remove()
-            raise ConfigError(f"the checkpoint {ckpt_path} does not fit this model/optimizer ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0]}). Resume with the config it was written with.",
-                              key="resume") from None
-        hooks.load_state_dict(resumed["hooks"])
-        checkpoint.set_rng_state(resumed["rng"])
-        loop = LoopState(**resumed["loop"])
-
-    # -- outputs: manifest first, so that even a failed run says what it was --------------------------
-    config = OmegaConf.to_container(cfg, resolve=True)
-    table = hooks.table()
-    if main:
-        manifest = build_manifest(config, table, cfg.seed, Path.cwd())
-        write_json(run_dir / "manifest.json", {**manifest, "world_size": ranks.world_size})
-    if resumed is not None and main:  # keep exactly the lines written before the checkpoint
-        previous = ckpt_path.parent.parent / "metrics.jsonl"
-        lines = previous.read_text().splitlines(keepends=True)[:resumed["metrics_lines"]] if previous.exists() else []
-        (run_dir / "metrics.jsonl").write_text("".join(lines))
-    local = LocalFiles(run_dir) if main else None
-    wandb_sink = None
-    if main and cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
-        tags = list(cfg.logger.tags) + [b.spec.name for b in hooks.bindings if b.spec.enabled]
-        wandb_id = resumed.get("wandb_id") if resumed is not None else None
-        wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, table, run_id=wandb_id)
-    sinks = Sinks(local, wandb_sink) if local is not None else NullSinks()
 
     # Gradient statistics see the final .grad right before the update: registered after attach(), this
     # optimizer pre-hook runs after the pre_step specs. It works only on log steps (hooks.measuring).
@@ -258,7 +256,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     try:
         stop.install()
-        meter = TrainMeter(device, loop.loss_sum, loop.correct, loop.seen, loop.batches, loop.last_log_step)
+        meter = TrainMeter(device, loop.loss_sum, loop.correct, loop.seen, loop.batches, loop.last_log_step,
+                           all_reduce=ranks.sum if ranks.enabled else None)
         last_log_time, last_log_step = time.perf_counter(), loop.last_log_step
         loop_started, eval_s = time.perf_counter(), 0.0
         bar = tqdm(total=total_steps, initial=step, disable=not cfg.trainer.progress, desc="train", unit="step",
@@ -300,14 +299,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
                 meter.add(step, loss, logits, y)
                 if log_now:
-                    # one device-to-host transfer: the statistics, the loss and accuracy, the guard's view
-                    pending = meter.pending()
-                    totals = ranks.sum(meter.totals()) if ranks.enabled else None
-                    read = step_stats.finish(torch.cat([totals, pending]) if totals is not None else pending)
-                    host = read.extra
-                    loss_v, acc_v, first_bad = meter.read(host[4:] if totals is not None else host)
-                    if totals is not None:  # every rank's steps
-                        loss_v, acc_v = host[0] / max(host[2], 1), host[1] / max(host[3], 1)
+                    # one device-to-host transfer: the statistics, the loss and accuracy (and the guard's
+                    # view of every loss since the last log step), what the hooks did
+                    hook_values, hook_stats = hooks.pending_stats(reset=True)
+                    read = step_stats.finish(meter.pending(), hook_values)
+                    loss_v, acc_v, first_bad = meter.read(read.extra[0])
                     guard.on_log_step(first_bad, loss, step)
                     metrics = dict(read.activations)
                     now = time.perf_counter()
@@ -321,7 +317,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         if grads.hist is not None:
                             hists.update({f"grad/{n}/hist": (h, lo, hi) for n, h, (lo, hi)
                                           in zip(grads.names, grads.hist, grads.hist_range, strict=True)})
-                    for name, row in hooks.stats(reset=True).items():
+                    for name, row in hook_stats(read.extra[1]).items():
                         metrics.update({f"hook/{name}/{k}": v for k, v in row.items() if k != "targets"})
                     sinks.log(metrics, step, hists)
                     summary.update({k: metrics[k] for k in ("train/loss", "train/acc")})
@@ -463,12 +459,6 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-def _hist_sample(value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise ConfigError(f"must be at least 1 (or null: count every element), got {value}.", key="stats.hist_sample")
-    return value
 
 
 def _save_records(hooks: HookHandle, run_dir: Path) -> None:

@@ -145,8 +145,8 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer()
     out = m(torch.randn(8, 3))
     out.sum().backward()
     stats.capture_grads()
-    read = stats.finish(torch.tensor([1.5, 2.5]))
-    assert read.extra == [1.5, 2.5]
+    read = stats.finish(torch.tensor([1.5, 2.5]), None, torch.tensor([7]))
+    assert read.extra == [[1.5, 2.5], [], [7.0]]
     assert read.grads.names == ["0.weight"] and read.grads.values[0] == pytest.approx(reference(m[0].weight.grad))
     assert read.activations["act/1/mean"] == pytest.approx(out.mean().item())
     assert sum(read.act_hists["1"][0]) == 16 and sum(read.grads.hist[0]) == 6

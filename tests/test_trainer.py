@@ -13,7 +13,7 @@ from conftest import read_jsonl
 from hydra import compose, initialize_config_module
 
 from hookexp.engine import HookHandle, SpecBinding
-from hookexp.stats import StepStats
+from hookexp.stats import Packed, StepStats
 from hookexp.train import train
 
 
@@ -35,16 +35,17 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
         monkeypatch.setattr(cls, name, wrapper)
 
     counting(StepStats, "capture_grads")
+    counting(Packed, "reduce")
     counting(StepStats, "begin")
     counting(SpecBinding, "measure")
-    counting(HookHandle, "stats")
+    counting(HookHandle, "pending_stats")
     cfg = config("hooks=[clamp_conv,dead_relu_probe]", "stats.every=5", "trainer.max_steps=12",
                  "stats.activations=relu*")
     summary = train(cfg, tmp_path)
     log_steps = [0, 5, 10, 11]
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["trainer/step"] for r in rows] == log_steps
-    assert counts["capture_grads"] == counts["begin"] == counts["stats"] == len(log_steps)
+    assert counts["capture_grads"] == counts["begin"] == counts["pending_stats"] == counts["reduce"] == len(log_steps)
     # clamp_conv measures 2 tensors a log step, dead_relu_probe 3 (relu1..3)
     assert counts["measure"] == (2 + 3) * len(log_steps)
     assert summary["hook/clamp_conv/calls"] == 2 * 12
@@ -200,7 +201,8 @@ def test_meter_reads_loss_accuracy_and_first_bad_step_across_folds(monkeypatch: 
 
     for fold in (2, 3, 100):
         monkeypatch.setattr(TrainMeter, "FOLD", fold)
-        meter = TrainMeter(torch.device("cpu"))
+        summed: list[list[float]] = []  # what the ranks' all-reduce sees (one rank here: the identity)
+        meter = TrainMeter(torch.device("cpu"), all_reduce=lambda t, summed=summed: summed.append(t.tolist()) or t)
         losses = [1.0, 2.0, 3.0, float("inf"), 5.0, float("nan"), 7.0]
         logits = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
         for i, v in enumerate(losses):
@@ -210,6 +212,17 @@ def test_meter_reads_loss_accuracy_and_first_bad_step_across_folds(monkeypatch: 
         assert acc == (7 + 4) / 14
         for i, v in enumerate([1.0, 2.0, 4.0]):
             meter.add(20 + i, torch.tensor(v), logits, torch.tensor([1, 0]))
-        totals = meter.totals().tolist()
         assert meter.read(meter.pending().tolist()) == (7 / 3, 1.0, None)
+        totals = summed[-1]
         assert totals == [7.0, 6.0, 3.0, 6.0]
+
+
+def test_a_config_error_after_the_hooks_are_attached_detaches_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from hookexp import ConfigError
+
+    removed: list[int] = []
+    original = HookHandle.remove
+    monkeypatch.setattr(HookHandle, "remove", lambda self: (removed.append(len(self.bindings)), original(self))[1])
+    with pytest.raises(ConfigError, match=r"^trainer\.precision: unknown precision 'fp8'"):
+        train(config("hooks=clamp_conv", "trainer.precision=fp8", "trainer.max_steps=2"), tmp_path)
+    assert removed == [1]
