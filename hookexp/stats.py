@@ -259,7 +259,7 @@ class StepStats:
         self._handles: list[Any] = []
         # (slots, params, seen) when every matched parameter has a slot: capture_grads without a loop
         self._fast: tuple[list[torch.Tensor], list[nn.Parameter], dict[tuple[str, str], torch.Tensor]] | None = None
-        self._keys: dict[tuple[tuple[str, str], ...], tuple[list[list[str]], list[list[str]]]] = {}
+        self._keys: dict[tuple[tuple[str, str], ...], _Names] = {}
 
     # -- collecting --------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -354,33 +354,42 @@ class StepStats:
         if packed is None:
             return result
         table, hist = packed.decode(stats_host, self.hist_bins)
-        grad_keys, act_keys = self._metric_keys(keys)
-        is_grad = np.array([kind == "grad" for kind, _ in keys])
+        names = self._names(keys)
+        is_grad = names.is_grad
         if is_grad.any():
             g = table[is_grad]
             result.grads = GradStatsResult(
-                [n for kind, n in keys if kind == "grad"], g.tolist(),
+                list(names.grads), g.tolist(),
                 float(np.sqrt(np.square(g[:, _COL["norm"]]).sum())),
-                hist[is_grad].tolist() if hist is not None else None, grad_keys)
+                hist[is_grad].tolist() if hist is not None else None, names.grad_keys)
         if not is_grad.all():
             a = table[~is_grad]
             values = a[:, [_COL[s] for s in ACT_STATS]].tolist()
-            result.activations = {k: v for ks, row in zip(act_keys, values, strict=True)
+            result.activations = {k: v for ks, row in zip(names.act_keys, values, strict=True)
                                   for k, v in zip(ks, row, strict=True)}
             if hist is not None:
-                names = [n for kind, n in keys if kind == "act"]
                 result.act_hists = {n: (h, lo, hi) for n, h, lo, hi in zip(
-                    names, hist[~is_grad].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
+                    names.acts, hist[~is_grad].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
                     strict=True)}
         return result
 
-    def _metric_keys(self, keys: tuple[tuple[str, str], ...]) -> tuple[list[list[str]], list[list[str]]]:
-        cached = self._keys.get(keys)
-        if cached is None:
-            cached = self._keys[keys] = (
-                [[f"grad/{n}/{s}" for s in GRAD_STATS] for kind, n in keys if kind == "grad"],
-                [[f"act/{n}/{s}" for s in ACT_STATS] for kind, n in keys if kind == "act"])
-        return cached
+    def _names(self, keys: tuple[tuple[str, str], ...]) -> _Names:
+        names = self._keys.get(keys)
+        if names is None:
+            names = self._keys[keys] = _Names(keys)
+        return names
+
+
+class _Names:
+    """What a layout's keys mean on the host: which rows are gradients, their names and metric keys
+    (built once per layout, not on every log step)."""
+
+    def __init__(self, keys: tuple[tuple[str, str], ...]):
+        self.is_grad = np.array([kind == "grad" for kind, _ in keys])
+        self.grads = [n for kind, n in keys if kind == "grad"]
+        self.acts = [n for kind, n in keys if kind == "act"]
+        self.grad_keys = [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.grads]
+        self.act_keys = [[f"act/{n}/{s}" for s in ACT_STATS] for n in self.acts]
 
 
 class GradStats:
