@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hookexp.errors import ConfigError
+
 
 @dataclass
 class Dist:
@@ -61,14 +63,24 @@ class Dist:
         return bool(torch.equal(lo, hi))
 
 
-def setup() -> Dist:
-    """Join the process group when launched by torchrun; one process otherwise."""
+def setup(device: torch.device) -> Dist:
+    """Join the process group when launched by torchrun; one process otherwise.
+
+    The backend follows ``trainer.device``, not what the machine has: nccl with one GPU per process
+    when it is CUDA, gloo otherwise (so ``trainer.device=cpu`` trains CPU ranks on a GPU machine too).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+    if device.type == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(f"torchrun started {nproc} processes on this node but it has "
+                          f"{torch.cuda.device_count()} CUDA device(s), and each process trains on its own GPU. "
+                          f"Use --nproc_per_node={torch.cuda.device_count()} or fewer, or trainer.device=cpu to "
+                          f"train the ranks on the CPU (gloo).", key="trainer.device")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local)
         dist.init_process_group(backend=backend)

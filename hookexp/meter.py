@@ -41,7 +41,10 @@ class TrainMeter:
         self._first_step = first_step  # the step of the period's first batch
 
     def _start(self, loss_sum: float = 0.0, correct: int = 0, seen: int = 0, batches: int = 0) -> None:
-        self._carry = torch.tensor([loss_sum, float(correct), -1.0], device=self.device, dtype=self._wide)
+        # non_blocking: a blocking copy to CUDA would make the host wait for the device's queue once more
+        # on every log step (an asynchronous one from pageable memory is staged at once and waits for nothing)
+        carry = torch.tensor([loss_sum, float(correct), -1.0], dtype=self._wide)
+        self._carry = carry.to(self.device, non_blocking=True)
         self.seen, self.batches = seen, batches
 
     def _drop_kept(self) -> None:

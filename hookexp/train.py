@@ -47,14 +47,18 @@ log = logging.getLogger("hookexp.train")
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch; optionally make torch pick deterministic algorithms only."""
+    """Seed python, numpy and torch, and make torch pick deterministic algorithms only or not.
+
+    The switch is set either way: Hydra's basic launcher runs a multirun's jobs in one process, so a
+    job with ``repro.deterministic=false`` must not inherit the setting of the job before it.
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def pick_device(name: str) -> torch.device:
@@ -71,6 +75,10 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("CUDA is not available on this machine. Use trainer.device=auto or cpu.",
                           key="trainer.device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        have = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        raise ConfigError(f"there is no {device}: this machine has {len(have)} CUDA device(s) ({', '.join(have)}). "
+                          f"Use trainer.device=auto, cuda or one of those.", key="trainer.device")
     return device
 
 
@@ -167,7 +175,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     check_logger(cfg.logger)
     ckpt_path = checkpoint.resolve(cfg.get("resume"), run_dir)
     resumed = checkpoint.load(ckpt_path) if ckpt_path is not None else None  # a bad checkpoint fails first
-    ranks = distributed.setup()
+    ranks = distributed.setup(pick_device(cfg.trainer.device))
     main = ranks.is_main  # only rank 0 writes files and logs
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).parent
 
@@ -50,3 +51,25 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+# Tests that take ``device`` run on the CPU everywhere and again on a CUDA GPU where there is one (CI has
+# none: run ``pytest -k cuda`` on a GPU machine).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA GPU"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return torch.device(request.param)
+
+
+def has_module(name: str) -> bool:
+    """Whether ``name`` imports; False also when a parent package is missing (``hydra_plugins`` is a namespace
+    package that exists only once some Hydra plugin is installed)."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import read_jsonl, run_cli, wandb_history, wandb_summary
 
 
@@ -84,7 +85,9 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
         (["model.widht=3"], ["Could not override 'model.widht'"]),
         (["+model.widht=3"], ["hookexp: error: model: could not build hookexp.models.SmallCNN",
                               "unexpected keyword argument 'widht'", "Did you mean 'width'?"]),
-        (["trainer.device=cuda:7"], ["hookexp: error: trainer.device: CUDA is not available"]),
+        (["trainer.device=cuda:7"], ["hookexp: error: trainer.device: there is no cuda:7: this machine has"
+                                     if torch.cuda.is_available() else
+                                     "hookexp: error: trainer.device: CUDA is not available"]),
     ],
 )
 def test_bad_config_fails_before_training_with_the_fix(args, expected, workdir):

@@ -4,10 +4,10 @@ step; typos and wrong types fail at compose time."""
 from __future__ import annotations
 
 from importlib import resources
-from importlib.util import find_spec
 
 import pytest
 import torch
+from conftest import has_module
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
@@ -136,7 +136,7 @@ def test_there_are_three_studies_with_their_results():
     assert len(options("experiment")) >= 3
 
 
-@pytest.mark.skipif(find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="extra .[sweeps] not installed")
+@pytest.mark.skipif(not has_module("hydra_plugins.hydra_optuna_sweeper"), reason="extra .[sweeps] not installed")
 @pytest.mark.parametrize("sweep", options("sweep"))
 def test_every_sweep_composes(sweep):
     cfg = compose("config", overrides=[f"sweep={sweep}"], return_hydra_config=True)

@@ -22,11 +22,11 @@ SPECS = ["+hooks.local={target:fc2.bias,kind:grad,transform:record}",
 
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).parent / "torchrun"
+    """``torchrun --nproc_per_node=2 -m hookexp ARGS`` with CPU ranks, also on a GPU machine."""
     env = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
-    return subprocess.run([str(torchrun), "--nproc_per_node=2", "--master_port=29533", "-m", "hookexp",
-                           "trainer.progress=false", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+                           "-m", "hookexp", "trainer.progress=false", "trainer.device=cpu", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_two_ranks_stay_in_sync_and_only_rank_0_writes(workdir):
@@ -50,7 +50,7 @@ def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(work
 
     # By hand: the same model and the two ranks' first batches, one process.
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        cfg = compose("config", overrides=["logger=none"])
+        cfg = compose("config", overrides=["logger=none", "trainer.device=cpu"])
     run = build_run(cfg)
     local_grads = []
     for rank in (0, 1):
@@ -64,3 +64,19 @@ def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(work
     assert torch.allclose(records["local"], local_grads[0], atol=1e-7)  # rank 0's own gradient
     assert torch.allclose(records["averaged"], (local_grads[0] + local_grads[1]) / 2, atol=1e-7)
     assert not torch.allclose(records["local"], records["averaged"], atol=1e-4)
+
+
+def test_more_cuda_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
+    """Each CUDA rank trains on its own GPU: two ranks on a one-GPU node would fail deep inside nccl."""
+    import pytest
+
+    from hookexp import ConfigError, distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        distributed.setup(torch.device("cuda"))
+    assert str(e.value) == ("trainer.device: torchrun started 2 processes on this node but it has 1 CUDA device(s), "
+                            "and each process trains on its own GPU. Use --nproc_per_node=1 or fewer, or "
+                            "trainer.device=cpu to train the ranks on the CPU (gloo).")

@@ -6,12 +6,11 @@ import json
 import re
 import statistics
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_jsonl, run_cli
+from conftest import has_module, read_jsonl, run_cli
 from hydra import compose, initialize_config_module
 
 from hookexp.report import report
@@ -99,7 +98,7 @@ def test_ablate_rejects_an_unknown_spec(workdir):
     assert "hookexp: error: ablate: no hook spec named 'clamp_cnv' to ablate. Did you mean 'clamp_conv'?" in done.stderr
 
 
-@pytest.mark.skipif(find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="extra .[sweeps] not installed")
+@pytest.mark.skipif(not has_module("hydra_plugins.hydra_optuna_sweeper"), reason="extra .[sweeps] not installed")
 def test_optuna_sweep_of_four_trials(workdir):
     done = run_cli(["-m", "sweep=optuna_lr", "hydra.sweeper.n_trials=4", "trainer.max_steps=10", "logger=none",
                     "hydra.sweep.dir=opt"], workdir)
@@ -110,7 +109,7 @@ def test_optuna_sweep_of_four_trials(workdir):
     assert len(values) == 4 and results["best_value"] == max(values)
 
 
-@pytest.mark.skipif(find_spec("hydra_plugins.hydra_joblib_launcher") is None, reason="extra .[sweeps] not installed")
+@pytest.mark.skipif(not has_module("hydra_plugins.hydra_joblib_launcher"), reason="extra .[sweeps] not installed")
 def test_joblib_launcher_runs_two_jobs_with_wandb_offline(workdir):
     from conftest import wandb_summary
 
@@ -123,7 +122,7 @@ def test_joblib_launcher_runs_two_jobs_with_wandb_offline(workdir):
     assert [r["name"] for r in runs] == [f"trainer.progress=False seed={i} trainer.max_steps=6" for i in (0, 1)]
 
 
-@pytest.mark.skipif(find_spec("hydra_plugins.hydra_submitit_launcher") is None, reason="extra .[sweeps] not installed")
+@pytest.mark.skipif(not has_module("hydra_plugins.hydra_submitit_launcher"), reason="extra .[sweeps] not installed")
 def test_slurm_launcher_config_composes():
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],

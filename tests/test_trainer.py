@@ -53,8 +53,13 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_hooks_that_change_nothing_leave_training_bit_identical(tmp_path: Path):
-    base = train(config("hooks=none", "trainer.max_steps=30"), tmp_path / "none")
-    probed = train(config("hooks=[dead_relu_probe,record_activations]", "trainer.max_steps=30"), tmp_path / "probe")
+    # deterministic algorithms: on CUDA some backward kernels add in a varying order (on the CPU it changes nothing)
+    common = ["trainer.max_steps=30", "repro.deterministic=true"]
+    try:
+        base = train(config("hooks=none", *common), tmp_path / "none")
+        probed = train(config("hooks=[dead_relu_probe,record_activations]", *common), tmp_path / "probe")
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert base["train/loss"] == probed["train/loss"] and base["val/loss"] == probed["val/loss"]
     a = [{k: v for k, v in r.items() if k.startswith(("train/", "val/", "grad/"))}
          for r in read_jsonl(tmp_path / "none" / "metrics.jsonl")]
@@ -226,3 +231,32 @@ def test_a_config_error_after_the_hooks_are_attached_detaches_them(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"^trainer\.precision: unknown precision 'fp8'"):
         train(config("hooks=clamp_conv", "trainer.precision=fp8", "trainer.max_steps=2"), tmp_path)
     assert removed == [1]
+
+
+def test_a_cuda_index_the_machine_lacks_is_refused_with_the_devices_it_has(monkeypatch: pytest.MonkeyPatch):
+    from hookexp import ConfigError
+    from hookexp.train import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError) as e:
+        pick_device("cuda:7")
+    assert str(e.value) == ("trainer.device: there is no cuda:7: this machine has 2 CUDA device(s) (cuda:0, cuda:1). "
+                            "Use trainer.device=auto, cuda or one of those.")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^trainer\.device: CUDA is not available on this machine\. Use trainer"):
+        pick_device("cuda")
+
+
+def test_repro_deterministic_is_set_for_each_run_not_kept_from_the_last():
+    """Hydra's basic launcher runs a multirun's jobs in one process."""
+    from hookexp.train import build_run
+
+    try:
+        build_run(config("repro.deterministic=true"))
+        assert torch.are_deterministic_algorithms_enabled()
+        build_run(config("repro.deterministic=false"))
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
