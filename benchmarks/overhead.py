@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overhead.py                 # all models, 5 repeats
     .venv/bin/python benchmarks/overhead.py --models small_cnn --repeats 3 --steps 60
+    python benchmarks/overhead.py --device cuda              # on a GPU machine
 
 Cases, interleaved in every repeat (median over repeats of the mean step time over ``--steps``):
   a  hand-written minimal loop (same DataLoader, model, optimizer)
@@ -71,6 +72,7 @@ def hand_loop(model_overrides: list[str], steps: int, setup: Callable | None = N
     start = time.perf_counter()
     while done < steps:
         for x, y in run.train_loader:
+            x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -80,6 +82,8 @@ def hand_loop(model_overrides: list[str], steps: int, setup: Callable | None = N
             done += 1
             if done == steps:
                 break
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)  # the trainer's last step logs, which waits for the device too
     elapsed = time.perf_counter() - start
     if wb is not None:
         wb.finish()
@@ -134,6 +138,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="trainer.device for every case: cpu, cuda, ...")
     args = parser.parse_args()
     import logging
 
@@ -143,12 +148,14 @@ def main() -> None:
     for r in range(args.repeats):
         for m in names:
             overrides, activations = MODELS[m]
+            overrides = [*overrides, f"trainer.device={args.device}"]
             for case, fn in cases(overrides, activations, args.steps).items():
                 times[m].setdefault(case, []).append(fn())
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x "
-          f"{args.repeats} repeats (median)\n")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    print(f"\ntorch {torch.__version__}, {args.device} ({where}), {args.steps} steps x {args.repeats} repeats "
+          f"(median)\n")
     header = ("model", "a ms/step", "b/a", "c/b", "c_g/b", "c_x/b", "d/b", "c_wb/b", "e/a", "f/a", "e/c", "e/c_wb",
               "g_grad/a", "g_pre/a", "g_hand/a", "g_pre/g_hand")
     print("| " + " | ".join(header) + " |")

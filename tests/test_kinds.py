@@ -106,13 +106,13 @@ def _forward_backward(model, x):
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_kind_matches_hand_written_hook(kind):
+def test_kind_matches_hand_written_hook(kind, device):
     spec, install, calls = CASES[kind]
     torch.manual_seed(0)
-    model = Probe()
+    model = Probe().to(device)
     ref = copy.deepcopy(model)
     ref.tied_b.weight = ref.tied_a.weight
-    x = torch.randn(5, 6)
+    x = torch.randn(5, 6, device=device)
 
     with attach(model, {"h": spec}) as hooks:
         out = _forward_backward(model, x)
@@ -155,12 +155,12 @@ def test_backward_legacy_warns_and_matches_register_backward_hook():
 
 
 @pytest.mark.parametrize("spec_args", [{"min": -0.01, "max": 0.01}, {"max": 0.0}])
-def test_pre_step_matches_hand_written_optimizer_hook(spec_args):
+def test_pre_step_matches_hand_written_optimizer_hook(spec_args, device):
     torch.manual_seed(0)
-    model = Probe()
+    model = Probe().to(device)
     ref = copy.deepcopy(model)
     ref.tied_b.weight = ref.tied_a.weight
-    x = torch.randn(5, 6)
+    x = torch.randn(5, 6, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 

@@ -17,11 +17,11 @@ def reference(g: torch.Tensor) -> list[float]:
             (g == 0).float().mean().item(), (g < 0).float().mean().item()]
 
 
-def model_with_grads(grads: dict[str, torch.Tensor]) -> nn.Module:
+def model_with_grads(grads: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> nn.Module:
     m = nn.Module()
     for name, g in grads.items():
-        p = nn.Parameter(torch.zeros_like(g))
-        p.grad = g.clone()
+        p = nn.Parameter(torch.zeros_like(g, device=device))
+        p.grad = g.to(device, copy=True)
         m.register_parameter(name, p)
     return m
 
@@ -33,7 +33,7 @@ def close(a: float, b: float) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grad_stats_equal_torch_reference(dtype):
+def test_grad_stats_equal_torch_reference(dtype, device):
     torch.manual_seed(0)
     grads = {
         "w": torch.randn(64, 32).to(dtype),
@@ -41,7 +41,7 @@ def test_grad_stats_equal_torch_reference(dtype):
         "relu_like": torch.randn(100).clamp(min=0).to(dtype),
         "single": torch.tensor([3.0]).to(dtype),
     }
-    res = GradStats(model_with_grads(grads), "*", hist_bins=4).compute()
+    res = GradStats(model_with_grads(grads, device), "*", hist_bins=4).compute()
     assert res.names == list(grads)
     for name, row in zip(res.names, res.values, strict=True):
         for stat, got, want in zip(GRAD_STATS, row, reference(grads[name]), strict=True):
@@ -55,9 +55,9 @@ def test_grad_stats_equal_torch_reference(dtype):
     assert res.hist[0] == expected.tolist()
 
 
-def test_non_finite_grads_are_reported_not_hidden():
+def test_non_finite_grads_are_reported_not_hidden(device):
     grads = {"nan": torch.tensor([1.0, float("nan")]), "inf": torch.tensor([1.0, float("inf")])}
-    res = GradStats(model_with_grads(grads), "*").compute()
+    res = GradStats(model_with_grads(grads, device), "*").compute()
     nan_row, inf_row = res.values
     assert math.isnan(nan_row[0]) and math.isnan(nan_row[1])
     assert inf_row[0] == math.inf and inf_row[4] == math.inf
@@ -83,10 +83,10 @@ def test_a_pattern_that_matches_nothing_names_the_stats_key():
         ActivationStats(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "rleu*")
 
 
-def test_activation_stats_only_while_begun():
-    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+def test_activation_stats_only_while_begun(device):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to(device)
     acts = ActivationStats(m, "1")
-    x = torch.randn(16, 4)
+    x = torch.randn(16, 4, device=device)
     m(x)
     assert acts.end() == {}
     acts.begin()
@@ -97,22 +97,22 @@ def test_activation_stats_only_while_begun():
     assert close(got["act/1/frac_zero"], (out == 0).float().mean().item())
 
 
-def test_mean_and_std_stay_exact_when_the_mean_dominates():
+def test_mean_and_std_stay_exact_when_the_mean_dominates(device):
     """Sums of squares in float32 would lose std entirely here; the shifted sums keep it."""
     torch.manual_seed(0)
     g = 1000 + 1e-3 * torch.randn(5000)
-    (row,) = GradStats(model_with_grads({"g": g}), "*").compute().values
+    (row,) = GradStats(model_with_grads({"g": g}, device), "*").compute().values
     want = g.double()
     assert math.isclose(row[1], want.mean().item(), rel_tol=1e-9)
     assert math.isclose(row[2], want.std().item(), rel_tol=1e-3)
     assert math.isclose(row[0], want.norm().item(), rel_tol=1e-6)
 
 
-def test_histograms_sample_large_tensors_and_keep_small_ones_exact():
+def test_histograms_sample_large_tensors_and_keep_small_ones_exact(device):
     torch.manual_seed(0)
     grads = {"big": torch.randn(10_000), "small": torch.randn(300)}
-    exact = GradStats(model_with_grads(grads), "*", hist_bins=16).compute()
-    sampled = GradStats(model_with_grads(grads), "*", hist_bins=16, hist_sample=1000).compute()
+    exact = GradStats(model_with_grads(grads, device), "*", hist_bins=16).compute()
+    sampled = GradStats(model_with_grads(grads, device), "*", hist_bins=16, hist_sample=1000).compute()
     assert sampled.values == exact.values  # only the histogram counts are sampled
     big, small = sampled.hist
     assert small == exact.hist[1] == torch.histc(grads["small"], 16, *exact.hist_range[1]).tolist()
@@ -121,11 +121,11 @@ def test_histograms_sample_large_tensors_and_keep_small_ones_exact():
     assert big != exact.hist[0]
 
 
-def test_activation_stats_follow_shape_changes_and_see_the_output_before_inplace_ops():
-    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+def test_activation_stats_follow_shape_changes_and_see_the_output_before_inplace_ops(device):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True)).to(device)
     acts = ActivationStats(m, "0", hist_bins=4)
     for batch in (16, 5, 16):
-        x = torch.randn(batch, 4)
+        x = torch.randn(batch, 4, device=device)
         acts.begin()
         m(x)
         got = acts.end()
@@ -133,19 +133,19 @@ def test_activation_stats_follow_shape_changes_and_see_the_output_before_inplace
         assert close(got["act/0/mean"], ref.mean().item()) and close(got["act/0/std"], ref.std().item())
         counts, lo, hi = acts.hists["0"]
         assert (lo, hi) == (ref.min().item(), ref.max().item())
-        assert counts == torch.histc(ref, 4, lo, hi).tolist()
+        assert counts == torch.histc(ref.cpu(), 4, lo, hi).tolist()
 
 
-def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer():
+def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(device):
     from hookexp.stats import StepStats
 
-    m = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    m = nn.Sequential(nn.Linear(3, 2), nn.ReLU()).to(device)
     stats = StepStats(m, "*.weight", "1", hist_bins=2)
     stats.begin()
-    out = m(torch.randn(8, 3))
+    out = m(torch.randn(8, 3, device=device))
     out.sum().backward()
     stats.capture_grads()
-    read = stats.finish(torch.tensor([1.5, 2.5]), None, torch.tensor([7]))
+    read = stats.finish(torch.tensor([1.5, 2.5], device=device), None, torch.tensor([7], device=device))
     assert read.extra == [[1.5, 2.5], [], [7.0]]
     assert read.grads.names == ["0.weight"] and read.grads.values[0] == pytest.approx(reference(m[0].weight.grad))
     assert read.activations["act/1/mean"] == pytest.approx(out.mean().item())
@@ -153,14 +153,14 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer()
     assert not m[1]._forward_hooks
 
 
-def test_gradients_are_read_afresh_every_step_and_a_missing_one_is_skipped():
+def test_gradients_are_read_afresh_every_step_and_a_missing_one_is_skipped(device):
     from hookexp.stats import StepStats
 
-    m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).to(device)
     stats = StepStats(m, "*")
     for step in range(4):
         m.zero_grad(set_to_none=True)
-        m(torch.randn(4, 3) * (step + 1)).sum().backward()
+        m(torch.randn(4, 3, device=device) * (step + 1)).sum().backward()
         if step == 2:
             m[1].bias.grad = None
         stats.capture_grads()

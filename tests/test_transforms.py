@@ -25,8 +25,8 @@ def run(name, x, **extra):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_every_transform_keeps_dtype_device_shape_on_expanded_input(name, dtype):
-    base = torch.linspace(-1, 1, 6, dtype=dtype)
+def test_every_transform_keeps_dtype_device_shape_on_expanded_input(name, dtype, device):
+    base = torch.linspace(-1, 1, 6, dtype=dtype, device=device)
     x = base.view(1, 6).expand(4, 6)  # stride 0 along dim 0
     assert x.stride(0) == 0
     version = x._version

@@ -1,0 +1,86 @@
+"""On a CUDA GPU: the trainer never makes the host wait on a step that does not log, and a run logs the
+statistics that the same run logs on the CPU. Skipped where there is no GPU (CI); on a GPU machine the
+rest of the suite runs there too, since ``trainer.device=auto`` picks CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_jsonl
+from hydra import compose, initialize_config_module
+
+import hookexp.train as train_module
+from hookexp.engine import HookHandle
+from hookexp.sinks import Sinks
+from hookexp.stats import StepStats
+from hookexp.train import train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def config(*overrides: str):
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
+def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """torch's sync debug mode set to "error" from the end of each log step (its record handed to the
+    sinks) to the start of the next: any synchronising CUDA call on the steps between (an .item(), a
+    blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on."""
+    begin, log, evaluate = StepStats.begin, Sinks.log, train_module.evaluate
+    modes: dict[int, int] = {}
+
+    def begin_log_step(self: StepStats) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        begin(self)
+
+    def end_log_step(self: Sinks, *args, **kwargs) -> None:
+        log(self, *args, **kwargs)
+        torch.cuda.set_sync_debug_mode("error")
+
+    def evaluate_may_sync(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        return evaluate(*args, **kwargs)
+
+    set_step = HookHandle.set_step
+
+    def note_mode(self: HookHandle, step: int) -> None:
+        modes[step - 1] = torch.cuda.get_sync_debug_mode()
+        set_step(self, step)
+
+    monkeypatch.setattr(StepStats, "begin", begin_log_step)
+    monkeypatch.setattr(Sinks, "log", end_log_step)
+    monkeypatch.setattr(train_module, "evaluate", evaluate_may_sync)
+    monkeypatch.setattr(HookHandle, "set_step", note_mode)
+    hooks = ["hooks=[clamp_conv,dead_relu_probe]", "+hooks.clip={target:'*',kind:pre_step,transform:clamp,"
+             "args:{min:-0.01,max:0.01}}"]
+    try:
+        summary = train(config(*hooks, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
+                               "trainer.max_steps=30", "trainer.nan_policy=raise"), tmp_path)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert summary["status"] == "finished" and summary["hook/clip/calls"] == 30 * 8
+    log_steps = {0, 7, 14, 21, 28, 29}
+    assert modes == {s: 0 if s in log_steps else 2 for s in range(30)}  # 2: "error"
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert {r["trainer/step"] for r in rows} == log_steps
+
+
+def test_a_cuda_run_logs_the_statistics_a_cpu_run_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Same seed, same data, same initial weights (built on the CPU, then moved): the first step's every
+    scalar statistic agrees to float32 reduction order, with TF32 off so that the convolutions match."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    common = ["hooks=clamp_conv", "trainer.max_steps=1", "stats.activations=relu*", "stats.hist_bins=8"]
+    cpu = train(config(*common, "trainer.device=cpu"), tmp_path / "cpu")
+    gpu = train(config(*common, "trainer.device=cuda"), tmp_path / "cuda")
+    assert cpu["hook/clamp_conv/calls"] == gpu["hook/clamp_conv/calls"] == 2
+    first_cpu, first_gpu = (read_jsonl(tmp_path / d / "metrics.jsonl")[0] for d in ("cpu", "cuda"))
+    keys = [k for k, v in first_cpu.items() if isinstance(v, float) and not k.startswith("perf/")]
+    assert sum(k.startswith("grad/") for k in keys) >= 8 * 7 and sum(k.startswith("act/") for k in keys) == 3 * 3
+    assert sum(k.startswith("hook/") for k in keys) >= 3
+    assert set(first_gpu) == set(first_cpu)
+    for key in keys:
+        assert first_gpu[key] == pytest.approx(first_cpu[key], rel=1e-4, abs=1e-7), key
