@@ -5,7 +5,8 @@ laid out as ``[rows, width]`` (:class:`Packed`): each tensor fills whole rows, t
 row is padding. Every statistic is then a row-wise reduction over the whole buffer (vectorised and
 multi-threaded like any contiguous reduction, unlike a scatter over segments) on the device, and a
 combine of rows into tensors on the host. The cost is about thirty kernels whatever the number of
-tensors, read back in one transfer together with whatever else the log step reads.
+tensors (on CUDA one replay of a CUDA graph of them), read back in one transfer together with
+whatever else the log step reads.
 
 Gradients are copied in right before ``optimizer.step()``; activations by a forward hook that
 exists only during log steps (``begin`` attaches, ``finish`` removes). Nothing here runs, and
@@ -14,6 +15,7 @@ nothing syncs, on steps that do not log.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from hookexp.targets import resolve
 GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
 ACT_STATS = ("mean", "std", "frac_zero")
 _COL = {s: i for i, s in enumerate(GRAD_STATS)}  # the columns of Packed.decode
+log = logging.getLogger("hookexp.stats")
 WIDTHS = tuple(2 ** k for k in range(6, 14))  # candidate row widths, 64 .. 8192
 
 
@@ -99,12 +102,46 @@ class Packed:
         self._wide = wide_dtype(device)
         self._pads_dev = torch.tensor([r * w - n for n, r in zip(sizes, rows, strict=True)], device=device,
                                       dtype=self._wide)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = {}
 
     @torch.no_grad()
     def reduce(self, hist_bins: int = 0) -> torch.Tensor:
         """The device half of describing what the slots hold: a flat float64 tensor of per-row sums
         (and histogram counts) for :meth:`decode`. Row-wise float reductions only: on the CPU they are
-        vectorised and threaded, while scatters over segments and reductions of bool masks are not."""
+        vectorised and threaded, while scatters over segments and reductions of bool masks are not.
+
+        On CUDA the thirty-odd kernels are captured once per layout into a CUDA graph and replayed as
+        one launch: on small models the host's launch cost, not the GPU, is what a log step pays for.
+        The result then lives in the graph's memory and is overwritten by the next replay.
+        """
+        if self.buffer.device.type != "cuda" or self._graphs is None:
+            return self._reduce(hist_bins)
+        if hist_bins not in self._graphs:
+            try:
+                self._graphs[hist_bins] = self._capture(hist_bins)
+            except RuntimeError as e:  # some setups cannot capture: compute kernel by kernel instead
+                log.warning("statistics: could not capture a CUDA graph (%s: %s); launching their kernels one by "
+                            "one instead", type(e).__name__, str(e).splitlines()[0])
+                self._graphs = None
+                return self._reduce(hist_bins)
+        graph, out = self._graphs[hist_bins]
+        graph.replay()
+        return out
+
+    def _capture(self, hist_bins: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        device = self.buffer.device
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a first run outside the capture, as torch.cuda.graph asks
+                self._reduce(hist_bins)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # W&B's thread may use CUDA
+                out = self._reduce(hist_bins)
+        return graph, out
+
+    def _reduce(self, hist_bins: int) -> torch.Tensor:
         flat = self.buffer
         x = flat.view(self.n_rows, self.width)
         if self._pad_dst is not None:  # zero pads add nothing to the sums of squares and signs

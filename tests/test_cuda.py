@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 import hookexp.train as train_module
 from hookexp.engine import HookHandle
 from hookexp.sinks import Sinks
-from hookexp.stats import StepStats
+from hookexp.stats import Packed, StepStats
 from hookexp.train import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,3 +84,21 @@ def test_a_cuda_run_logs_the_statistics_a_cpu_run_logs(tmp_path: Path, monkeypat
     assert set(first_gpu) == set(first_cpu)
     for key in keys:
         assert first_gpu[key] == pytest.approx(first_cpu[key], rel=1e-4, abs=1e-7), key
+
+
+def test_the_reductions_replayed_as_a_cuda_graph_read_the_new_values_and_equal_the_kernels():
+    """One capture per layout and bin count; each replay describes what the slots hold now."""
+    shapes = [torch.Size([300, 7]), torch.Size([5]), torch.Size([10_000])]  # pads, a tiny tensor, sampling
+    packed = Packed(shapes, torch.device("cuda"), hist_sample=1000)
+    results = []
+    for scale in (1.0, 3.0, 0.5):
+        for slot in packed.slots:
+            slot.copy_(torch.randn(slot.shape, device="cuda") * scale)
+        replayed = packed.reduce(16).clone()
+        assert torch.equal(replayed, packed._reduce(16))  # the same kernels, launched one by one
+        results.append(replayed)
+    assert list(packed._graphs) == [16] and not torch.equal(results[0], results[1])
+    table, counts = packed.decode(results[-1].cpu().numpy(), 16)
+    want = torch.cat([packed.slots[0].reshape(-1), packed.slots[1], packed.slots[2]])
+    assert table[:, 0].tolist() == pytest.approx([packed.slots[i].norm().item() for i in range(3)], rel=1e-5)
+    assert counts.sum() == want.numel()
