@@ -66,6 +66,8 @@ class Packed:
     elements a histogram counts per tensor (see decode).
     """
 
+    GRAPH_MAX_ELEMENTS = 1 << 22  # buffers up to 16 MB replay their reductions as a CUDA graph
+
     def __init__(self, shapes: list[torch.Size], device: torch.device, hist_sample: int | None = None):
         sizes = [math.prod(s) for s in shapes]
         if min(sizes, default=0) == 0:
@@ -102,7 +104,10 @@ class Packed:
         self._wide = wide_dtype(device)
         self._pads_dev = torch.tensor([r * w - n for n, r in zip(sizes, rows, strict=True)], device=device,
                                       dtype=self._wide)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = {}
+        # A graph keeps its temporaries (about three buffers' worth) for good, where the kernels would hand
+        # them back to the allocator: worth it only while launches, not the work, are what a log step costs.
+        small = self.buffer.numel() <= self.GRAPH_MAX_ELEMENTS
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = {} if small else None
 
     @torch.no_grad()
     def reduce(self, hist_bins: int = 0) -> torch.Tensor:
@@ -110,9 +115,10 @@ class Packed:
         (and histogram counts) for :meth:`decode`. Row-wise float reductions only: on the CPU they are
         vectorised and threaded, while scatters over segments and reductions of bool masks are not.
 
-        On CUDA the thirty-odd kernels are captured once per layout into a CUDA graph and replayed as
-        one launch: on small models the host's launch cost, not the GPU, is what a log step pays for.
-        The result then lives in the graph's memory and is overwritten by the next replay.
+        On CUDA, for buffers up to ``GRAPH_MAX_ELEMENTS``, the thirty-odd kernels are captured once per
+        layout into a CUDA graph and replayed as one launch: there the host's launch cost, not the GPU's
+        work, is what a log step pays for. The result then lives in the graph's memory and is overwritten
+        by the next replay.
         """
         if self.buffer.device.type != "cuda" or self._graphs is None:
             return self._reduce(hist_bins)

@@ -102,3 +102,10 @@ def test_the_reductions_replayed_as_a_cuda_graph_read_the_new_values_and_equal_t
     want = torch.cat([packed.slots[0].reshape(-1), packed.slots[1], packed.slots[2]])
     assert table[:, 0].tolist() == pytest.approx([packed.slots[i].norm().item() for i in range(3)], rel=1e-5)
     assert counts.sum() == want.numel()
+
+
+def test_a_buffer_too_large_for_a_graph_launches_the_kernels(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(Packed, "GRAPH_MAX_ELEMENTS", 1000)
+    packed = Packed([torch.Size([3000])], torch.device("cuda"))
+    packed.slots[0].copy_(torch.randn(3000, device="cuda"))
+    assert packed._graphs is None and torch.equal(packed.reduce(8), packed._reduce(8))
