@@ -141,8 +141,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="trainer.device for every case: cpu, cuda, ...")
     args = parser.parse_args()
     import logging
+    import os
 
     logging.disable(logging.WARNING)
+    os.environ.setdefault("WANDB_SILENT", "true")  # case c_wb's run would print its summary into the table's output
     names = args.models.split(",")
     times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     for r in range(args.repeats):
