@@ -250,16 +250,15 @@ class GradStatsResult:
     names: list[str]
     values: list[list[float]]  # [P][len(GRAD_STATS)]
     global_norm: float
+    keys: list[list[str]]  # [P][len(GRAD_STATS)]: grad/<name>/<stat>
     hist: list[list[float]] | None = None  # [P][bins], over each parameter's [min, max]
-    keys: list[list[str]] | None = None  # grad/<name>/<stat>, cached by StepStats
 
     @property
     def hist_range(self) -> list[tuple[float, float]]:
         return [(row[_COL["min"]], row[_COL["max"]]) for row in self.values]
 
     def metrics(self) -> dict[str, float]:
-        keys = self.keys or [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.names]
-        out = {k: v for ks, row in zip(keys, self.values, strict=True) for k, v in zip(ks, row, strict=True)}
+        out = {k: v for ks, row in zip(self.keys, self.values, strict=True) for k, v in zip(ks, row, strict=True)}
         out["grad/global_norm"] = self.global_norm
         return out
 
@@ -272,6 +271,19 @@ class StepStatsResult:
     activations: dict[str, float]  # act/<module>/<stat>
     act_hists: dict[str, tuple[list[float], float, float]]  # module -> (counts, lo, hi)
     extra: list[list[float]]  # the values of each ``extra`` tensor given to finish (None: [])
+
+    def metrics(self) -> dict[str, float]:
+        """Every statistic under its metric key (``act/...``, ``grad/...``, ``grad/global_norm``)."""
+        return {**self.activations, **(self.grads.metrics() if self.grads is not None else {})}
+
+    def histograms(self) -> dict[str, tuple[list[float], float, float]]:
+        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, lo, hi), as the sinks log them."""
+        out = {f"act/{n}/hist": h for n, h in self.act_hists.items()}
+        g = self.grads
+        if g is not None and g.hist is not None:
+            out.update({f"grad/{n}/hist": (h, lo, hi) for n, h, (lo, hi) in zip(g.names, g.hist, g.hist_range,
+                                                                                   strict=True)})
+        return out
 
 
 class StepStats:
@@ -402,9 +414,8 @@ class StepStats:
         if is_grad.any():
             g = table[is_grad]
             result.grads = GradStatsResult(
-                list(names.grads), g.tolist(),
-                float(np.sqrt(np.square(g[:, _COL["norm"]]).sum())),
-                hist[is_grad].tolist() if hist is not None else None, names.grad_keys)
+                list(names.grads), g.tolist(), float(np.sqrt(np.square(g[:, _COL["norm"]]).sum())), names.grad_keys,
+                hist[is_grad].tolist() if hist is not None else None)
         if not is_grad.all():
             a = table[~is_grad]
             values = a[:, [_COL[s] for s in ACT_STATS]].tolist()

@@ -313,21 +313,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     read = step_stats.finish(meter.pending(), hook_values)
                     loss_v, acc_v, first_bad = meter.read(read.extra[0])
                     guard.on_log_step(first_bad, loss, step)
-                    metrics = dict(read.activations)
                     now = time.perf_counter()
-                    metrics.update({"train/loss": loss_v, "train/acc": acc_v, "epoch": epoch,
-                                    "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1)})
+                    metrics = {"train/loss": loss_v, "train/acc": acc_v, "epoch": epoch,
+                               "perf/step_time": (now - last_log_time) / max(step + 1 - last_log_step, 1),
+                               **read.metrics()}
                     last_log_time, last_log_step = now, step + 1
-                    grads = read.grads
-                    hists = {f"act/{n}/hist": h for n, h in read.act_hists.items()}
-                    if grads is not None:
-                        metrics.update(grads.metrics())
-                        if grads.hist is not None:
-                            hists.update({f"grad/{n}/hist": (h, lo, hi) for n, h, (lo, hi)
-                                          in zip(grads.names, grads.hist, grads.hist_range, strict=True)})
                     for name, row in hook_stats(read.extra[1]).items():
                         metrics.update({f"hook/{name}/{k}": v for k, v in row.items() if k != "targets"})
-                    sinks.log(metrics, step, hists)
+                    sinks.log(metrics, step, read.histograms())
                     summary.update({k: metrics[k] for k in ("train/loss", "train/acc")})
                     bar.set_postfix(loss=f"{loss_v:.4f}", acc=f"{acc_v:.3f}")
                 bar.update(1)

@@ -150,6 +150,11 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(d
     assert read.grads.names == ["0.weight"] and read.grads.values[0] == pytest.approx(reference(m[0].weight.grad))
     assert read.activations["act/1/mean"] == pytest.approx(out.mean().item())
     assert sum(read.act_hists["1"][0]) == 16 and sum(read.grads.hist[0]) == 6
+    assert read.metrics() == {**read.activations, **read.grads.metrics()}
+    assert set(read.metrics()) == {"act/1/mean", "act/1/std", "act/1/frac_zero", "grad/global_norm",
+                                   *(f"grad/0.weight/{s}" for s in GRAD_STATS)}
+    assert read.histograms() == {"act/1/hist": read.act_hists["1"],
+                                 "grad/0.weight/hist": (read.grads.hist[0], *read.grads.hist_range[0])}
     assert not m[1]._forward_hooks
 
 
