@@ -36,6 +36,10 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def place(self, device: torch.device) -> torch.device:
+        """The device this rank trains on: under DDP on CUDA, its own GPU (``cuda:LOCAL_RANK``)."""
+        return torch.device("cuda", self.local_rank) if self.enabled and device.type == "cuda" else device
+
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over ranks (a no-op on one process)."""
         if self.enabled:
@@ -79,12 +83,13 @@ def setup(device: torch.device) -> Dist:
                           f"{torch.cuda.device_count()} CUDA device(s), and each process trains on its own GPU. "
                           f"Use --nproc_per_node={torch.cuda.device_count()} or fewer, or trainer.device=cpu to "
                           f"train the ranks on the CPU (gloo).", key="trainer.device")
+    ranks = Dist(rank, world, local)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(local)
+            torch.cuda.set_device(ranks.place(device))
         dist.init_process_group(backend=backend)
-    return Dist(rank, world, local)
+    return ranks
 
 
 def teardown(d: Dist) -> None:

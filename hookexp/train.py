@@ -129,13 +129,12 @@ class Run:
     total_steps: int
 
 
-def build_run(cfg: DictConfig, ranks: Dist | None = None) -> Run:
-    """Seed, then build data, model and optimizer from the config (``hydra.utils.instantiate``)."""
+def build_run(cfg: DictConfig, ranks: Dist | None = None, device: torch.device | None = None) -> Run:
+    """Seed, then build data, model and optimizer from the config (``hydra.utils.instantiate``) on
+    ``device`` (default: ``trainer.device``), or on this rank's own GPU of it under DDP."""
     ranks = ranks or Dist()
     seed_everything(cfg.seed, cfg.repro.deterministic)
-    device = pick_device(cfg.trainer.device)
-    if ranks.enabled and device.type == "cuda":
-        device = torch.device("cuda", ranks.local_rank)
+    device = ranks.place(device or pick_device(cfg.trainer.device))
     splits = build(cfg.data.dataset, "data.dataset")
     train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size,
                                               cfg.data.num_workers, ranks.rank, ranks.world_size)
@@ -175,11 +174,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     check_logger(cfg.logger)
     ckpt_path = checkpoint.resolve(cfg.get("resume"), run_dir)
     resumed = checkpoint.load(ckpt_path) if ckpt_path is not None else None  # a bad checkpoint fails first
-    ranks = distributed.setup(pick_device(cfg.trainer.device))
+    device = pick_device(cfg.trainer.device)
+    ranks = distributed.setup(device)
     main = ranks.is_main  # only rank 0 writes files and logs
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    run = build_run(cfg, ranks)
+    run = build_run(cfg, ranks, device)
     model, optimizer, device, total_steps = run.model, run.optimizer, run.device, run.total_steps
     train_loader, val_loader = run.train_loader, run.val_loader
 

@@ -80,3 +80,12 @@ def test_more_cuda_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
     assert str(e.value) == ("trainer.device: torchrun started 2 processes on this node but it has 1 CUDA device(s), "
                             "and each process trains on its own GPU. Use --nproc_per_node=1 or fewer, or "
                             "trainer.device=cpu to train the ranks on the CPU (gloo).")
+
+
+def test_each_cuda_rank_trains_on_its_own_gpu_and_cpu_ranks_on_the_cpu():
+    from hookexp.distributed import Dist
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert Dist(rank=3, world_size=4, local_rank=1).place(cuda) == torch.device("cuda", 1)
+    assert Dist(rank=3, world_size=4, local_rank=1).place(cpu) == cpu
+    assert Dist().place(cuda) == cuda  # one process: trainer.device as given
