@@ -37,14 +37,15 @@ class TrainMeter:
         self._losses: list[torch.Tensor] = []
         self._preds: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
+        # a new period's carry, made once (never written in place): no copy to the device per log step
+        self._fresh = torch.tensor([0.0, 0.0, -1.0], dtype=self._wide).to(device)
         self._start(loss_sum, correct, seen, batches)
         self._first_step = first_step  # the step of the period's first batch
 
     def _start(self, loss_sum: float = 0.0, correct: int = 0, seen: int = 0, batches: int = 0) -> None:
-        # non_blocking: a blocking copy to CUDA would make the host wait for the device's queue once more
-        # on every log step (an asynchronous one from pageable memory is staged at once and waits for nothing)
-        carry = torch.tensor([loss_sum, float(correct), -1.0], dtype=self._wide)
-        self._carry = carry.to(self.device, non_blocking=True)
+        self._carry = self._fresh
+        if loss_sum or correct:  # resumed from a checkpoint (once per run)
+            self._carry = torch.tensor([loss_sum, float(correct), -1.0], dtype=self._wide).to(self.device)
         self.seen, self.batches = seen, batches
 
     def _drop_kept(self) -> None:
