@@ -58,14 +58,12 @@ class DataSplits:
         gen = torch.Generator().manual_seed(seed)
         workers = {"num_workers": num_workers, "worker_init_fn": seed_worker,
                    "persistent_workers": num_workers > 0}
+        sampler = None
         if world_size > 1:  # each rank its own shard of every epoch; the epoch is set by the trainer
             sampler = DistributedSampler(self.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                          drop_last=True)
-            train = DataLoader(self.train, batch_size=batch_size, sampler=sampler, generator=gen,
-                               collate_fn=_whole_batch, **workers)
-        else:
-            train = DataLoader(self.train, batch_size=batch_size, shuffle=True, generator=gen,
-                               collate_fn=_whole_batch, **workers)
+        train = DataLoader(self.train, batch_size=batch_size, shuffle=sampler is None, sampler=sampler, generator=gen,
+                           collate_fn=_whole_batch, **workers)
         val = DataLoader(self.val, batch_size=eval_batch_size, shuffle=False, collate_fn=_whole_batch, **workers)
         return train, val
 
