@@ -35,14 +35,14 @@ class LocalFiles:
     the disk at least every ``FLUSH_S`` seconds, at every checkpoint and at the end: a flush per line
     cost more than the statistics on a small model."""
 
+    FLUSH_S = 1.0  # at most this long between a line and the disk (and at every close)
+
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.lines = len(self.metrics_path.read_text().splitlines()) if self.metrics_path.exists() else 0
         self._file = self.metrics_path.open("a", encoding="utf-8")
         self._flushed = time.monotonic()
-
-    FLUSH_S = 1.0  # at most this long between a line and the disk (and at every close)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         row = {STEP_KEY: step, **metrics}
