@@ -211,6 +211,16 @@ class Packed:
         return table, counts if self._hist_pos is None else counts * self._hist_scale[:, None]
 
 
+def bin_edges(lo: np.ndarray, hi: np.ndarray, bins: int) -> np.ndarray:
+    """``[len(lo), bins + 1]`` edges of equal bins over each [lo, hi], the first exactly ``lo`` and the
+    last exactly ``hi`` (as ``np.linspace``); a range of one value gets a unit-wide one around it."""
+    flat = hi <= lo
+    lo, hi = np.where(flat, lo - 0.5, lo), np.where(flat, lo + 0.5, hi)
+    edges = lo[:, None] + ((hi - lo) / bins)[:, None] * np.arange(bins + 1)
+    edges[:, -1] = hi
+    return edges
+
+
 def _bin_index(x: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, bins: int, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor * bins`` plus the bin of every value among ``bins`` equal bins over [lo, lo + width]
     (``torch.histc``'s arithmetic: the maximum goes to the last bin; NaN goes to the first)."""
@@ -276,14 +286,22 @@ class StepStatsResult:
         """Every statistic under its metric key (``act/...``, ``grad/...``, ``grad/global_norm``)."""
         return {**self.activations, **(self.grads.metrics() if self.grads is not None else {})}
 
-    def histograms(self) -> dict[str, tuple[list[float], float, float]]:
-        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, lo, hi), as the sinks log them."""
+    def histograms(self) -> dict[str, tuple[list[float], list[float]]]:
+        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, bin edges), as every sink logs them.
+
+        A tensor holding NaN or Inf has no finite range to bin: it has no histogram on that step (its
+        ``min``/``max`` statistics say why), rather than one with NaN edges."""
         out = {f"act/{n}/hist": h for n, h in self.act_hists.items()}
         g = self.grads
         if g is not None and g.hist is not None:
             out.update({f"grad/{n}/hist": (h, lo, hi) for n, h, (lo, hi) in zip(g.names, g.hist, g.hist_range,
                                                                                    strict=True)})
-        return out
+        out = {k: h for k, h in out.items() if math.isfinite(h[1]) and math.isfinite(h[2])}
+        if not out:
+            return {}
+        found = list(out.values())
+        edges = bin_edges(np.array([h[1] for h in found]), np.array([h[2] for h in found]), len(found[0][0]))
+        return {k: (h[0], e) for (k, h), e in zip(out.items(), edges.tolist(), strict=True)}
 
 
 class StepStats:

@@ -221,10 +221,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             manifest = build_manifest(config, table, cfg.seed, Path.cwd())
             write_json(run_dir / "manifest.json", {**manifest, "world_size": ranks.world_size})
         if resumed is not None and main:  # keep exactly the lines written before the checkpoint
-            previous = ckpt_path.parent.parent / "metrics.jsonl"
-            kept = previous.read_text().splitlines(keepends=True) if previous.exists() else []
-            lines = kept[:resumed["metrics_lines"]]
-            (run_dir / "metrics.jsonl").write_text("".join(lines))
+            # (checkpoints written before histograms.jsonl existed count metrics.jsonl's lines alone)
+            lines = resumed.get("lines") or {"metrics.jsonl": resumed["metrics_lines"]}
+            LocalFiles.keep(ckpt_path.parent.parent, run_dir, lines)
         local = LocalFiles(run_dir) if main else None
         wandb_sink = None
         if main and cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
@@ -255,7 +254,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             local.flush()
         checkpoint.save(path, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hooks": hooks.state_dict(),
-            "rng": checkpoint.rng_state(), "metrics_lines": local.lines if local else 0,
+            "rng": checkpoint.rng_state(), "lines": dict(local.lines) if local else {},
             "wandb_id": wandb_sink.run_id if wandb_sink else None,
             "loop": {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "epoch_rng": epoch_rng,
                      **meter.snapshot(), "last_log_step": last_log_step, "best_acc": best_acc, "summary": summary},

@@ -15,6 +15,7 @@ import torch
 from conftest import TESTS, read_jsonl, run_cli
 
 RUN = ["hooks=[grad_noise,zero_fc_bias]", "repro.deterministic=true", "trainer.max_steps=150", "stats.every=5",
+       "stats.hist_bins=4",
        "+hooks.slow={target:fc2,kind:forward,transform:{_target_:user_transforms.slow}}",  # changes nothing
        "logger=none", "trainer.progress=false"]
 
@@ -47,6 +48,9 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(workdir):
     resumed = run_cli([*RUN, "hydra.run.dir=cut", "resume=true"], workdir)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert without_timing(workdir / "cut" / "metrics.jsonl") == without_timing(workdir / "straight" / "metrics.jsonl")
+    hists = read_jsonl(workdir / "cut" / "histograms.jsonl")
+    assert len(hists) == 31  # steps 0, 5, .., 145 and 149
+    assert hists == read_jsonl(workdir / "straight" / "histograms.jsonl")
     final = json.loads((workdir / "cut" / "summary.json").read_text())
     straight = json.loads((workdir / "straight" / "summary.json").read_text())
     assert final["status"] == "finished" and final["val/acc"] == straight["val/acc"]

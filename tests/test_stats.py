@@ -64,6 +64,30 @@ def test_non_finite_grads_are_reported_not_hidden(device):
     assert math.isnan(res.global_norm)
 
 
+def test_a_tensor_without_a_finite_range_has_no_histogram(device):
+    from hookexp.stats import StepStats
+
+    grads = {"nan": torch.tensor([1.0, float("nan")]), "inf": torch.tensor([1.0, float("inf")]),
+             "ok": torch.tensor([1.0, 3.0, 2.0])}
+    stats = StepStats(model_with_grads(grads, device), "*", hist_bins=2)
+    stats.capture_grads()
+    hists = stats.finish().histograms()
+    assert hists == {"grad/ok/hist": ([1.0, 2.0], [1.0, 2.0, 3.0])}  # NaN/Inf: their min/max statistics say why
+
+
+def test_bin_edges_are_equal_bins_from_min_to_max_exactly():
+    import numpy as np
+
+    from hookexp.stats import bin_edges
+
+    lo, hi = np.array([-0.3, 2.0, 1e-8]), np.array([0.7, 2.0, 3e-8])
+    edges = bin_edges(lo, hi, 4)
+    assert edges.shape == (3, 5)
+    assert (edges[:, 0] == [-0.3, 1.5, 1e-8]).all() and (edges[:, -1] == [0.7, 2.5, 3e-8]).all()
+    for row, a, b in zip(edges, [-0.3, 1.5, 1e-8], [0.7, 2.5, 3e-8], strict=True):
+        assert np.allclose(row, np.linspace(a, b, 5), rtol=1e-15, atol=0)  # one value: a unit-wide range around it
+
+
 def test_pattern_and_missing_grads():
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     m[0].weight.grad = torch.ones(2, 2)
@@ -153,8 +177,9 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(d
     assert read.metrics() == {**read.activations, **read.grads.metrics()}
     assert set(read.metrics()) == {"act/1/mean", "act/1/std", "act/1/frac_zero", "grad/global_norm",
                                    *(f"grad/0.weight/{s}" for s in GRAD_STATS)}
-    assert read.histograms() == {"act/1/hist": read.act_hists["1"],
-                                 "grad/0.weight/hist": (read.grads.hist[0], *read.grads.hist_range[0])}
+    (a_lo, a_hi), (g_lo, g_hi) = read.act_hists["1"][1:], read.grads.hist_range[0]
+    assert read.histograms() == {"act/1/hist": (read.act_hists["1"][0], [a_lo, (a_lo + a_hi) / 2, a_hi]),
+                                 "grad/0.weight/hist": (read.grads.hist[0], [g_lo, (g_lo + g_hi) / 2, g_hi])}
     assert not m[1]._forward_hooks
 
 

@@ -20,7 +20,7 @@ FAST = ["trainer.max_steps=12", "stats.every=4", "logger=none"]
 
 def without_timing(path: Path) -> list[str]:
     """The file's lines as written, byte for byte, with the timing keys (perf/*) cut out."""
-    return [re.sub(r', "perf/[^"]+": [^,}]+', "", line) for line in path.read_text().splitlines()]
+    return [re.sub(r',\s*"perf/[^"]+":\s*[^,}]+', "", line) for line in path.read_text().splitlines()]
 
 
 def test_same_config_and_seed_give_identical_metrics(workdir):

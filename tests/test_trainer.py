@@ -94,6 +94,22 @@ def test_plot_and_histograms_reach_the_files_and_wandb(tmp_path: Path):
     assert sum(hist[0]["grad/conv1.weight/hist.values"]) == 16 * 1 * 3 * 3  # every element in a bin
     assert len(hist[0]["grad/conv1.weight/hist.bins"]) == 8 + 1
     assert sum(hist[0]["act/relu1/hist.values"]) == 64 * 16 * 8 * 8
+    # histograms.jsonl holds the same numbers, step by step: counts, and edges over each tensor's [min, max]
+    local = read_jsonl(tmp_path / "histograms.jsonl")
+    assert [r["trainer/step"] for r in local] == [r["trainer/step"] for r in hist] == [0, 10, 14]
+    metrics = {r["trainer/step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if "grad/global_norm" in r}
+    for row, wandb_row in zip(local, hist, strict=True):
+        assert sorted(row) == ["act/relu1/hist", "grad/conv1.bias/hist", "grad/conv1.weight/hist",
+                               "grad/conv2.bias/hist", "grad/conv2.weight/hist", "grad/fc1.bias/hist",
+                               "grad/fc1.weight/hist", "grad/fc2.bias/hist", "grad/fc2.weight/hist", "trainer/step"]
+        for key, h in row.items():
+            if key == "trainer/step":
+                continue
+            assert h["values"] == wandb_row[f"{key}.values"] and h["bins"] == wandb_row[f"{key}.bins"], key
+            assert len(h["bins"]) == 9
+            if key.startswith("grad/"):
+                assert h["bins"][0] == metrics[row["trainer/step"]][key[:-4] + "min"]
+                assert h["bins"][-1] == metrics[row["trainer/step"]][key[:-4] + "max"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["perf/train_loop_s"] > 0
 
