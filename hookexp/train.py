@@ -184,7 +184,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     train_loader, val_loader = run.train_loader, run.val_loader
 
     # -- statistics and hooks: every spec is checked here, before any training -----------------------
-    every = cfg.stats.every
+    every, checkpoint_every = cfg.stats.every, cfg.trainer.checkpoint_every  # read once: a DictConfig read is slow
     if every < 1:
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
     step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, cfg.stats.hist_sample)
@@ -335,7 +335,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                                 "hydra.run.dir=%s", stop.signum, step, path, run_dir)
                     status = "interrupted"
                     break
-                if main and cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+                if main and checkpoint_every and step % checkpoint_every == 0:
                     save_checkpoint()
                 if step >= total_steps:
                     break
