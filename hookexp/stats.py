@@ -152,7 +152,9 @@ class Packed:
         x = flat.view(self.n_rows, self.width)
         if self._pad_dst is not None:  # zero pads add nothing to the sums of squares and signs
             flat.index_fill_(0, self._pad_dst, 0.0)
-        sign = torch.sign(x).nan_to_num_(1.0)  # 0 for zeros, -1 for negatives (NaN: neither)
+        # 0 for zeros, -1 for negatives; NaN counts as +1, so it is nonzero and (in decode) not negative.
+        # (torch.sign(NaN) is 0 on the CPU: the NaN must be replaced before, not after.)
+        sign = torch.sign(torch.nan_to_num(x, 1.0))
         norm_x = torch.linalg.vector_norm(x, dim=1)
         if self._pad_dst is not None:  # pads that repeat the first element keep min and max exact
             flat.index_put_((self._pad_dst,), flat[self._pad_src])

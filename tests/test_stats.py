@@ -61,6 +61,7 @@ def test_non_finite_grads_are_reported_not_hidden(device):
     nan_row, inf_row = res.values
     assert math.isnan(nan_row[0]) and math.isnan(nan_row[1])
     assert inf_row[0] == math.inf and inf_row[4] == math.inf
+    assert nan_row[5:] == inf_row[5:] == [0.0, 0.0]  # NaN is neither zero nor negative; Inf is not zero
     assert math.isnan(res.global_norm)
 
 
