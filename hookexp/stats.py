@@ -1,12 +1,13 @@
 """Gradient and activation statistics, computed batched and only on log steps.
 
 :class:`StepStats` packs the gradients and the activations of one log step into one float32 buffer
-laid out as ``[rows, width]`` (:class:`Packed`): each tensor fills whole rows, the tail of its last
-row is padding. Every statistic is then a row-wise reduction over the whole buffer (vectorised and
-multi-threaded like any contiguous reduction, unlike a scatter over segments) on the device, and a
-combine of rows into tensors on the host. The cost is about thirty kernels whatever the number of
-tensors (on CUDA one replay of a CUDA graph of them), read back in one transfer together with
-whatever else the log step reads.
+(:class:`Packed`) and describes it in a few passes, read back in one transfer together with whatever
+else the log step reads. On a GPU (and on a CPU without numba) the buffer is laid out as ``[rows,
+width]``: each tensor fills whole rows, the tail of its last row is padding, and every statistic is a
+row-wise reduction over the whole buffer on the device and a combine of rows into tensors on the host:
+about thirty kernels whatever the number of tensors (on CUDA one replay of a CUDA graph of them). On
+a CPU with numba the tensors lie back to back and :mod:`hookexp.fused` describes each in one compiled
+pass, which costs a fraction of thirty torch ops there.
 
 Gradients are copied in right before ``optimizer.step()``; activations by a forward hook that
 exists only during log steps (``begin`` attaches, ``finish`` removes). Nothing here runs, and
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookexp import fused
 from hookexp.errors import ConfigError
 from hookexp.specs import HookSpec
 from hookexp.targets import resolve
@@ -72,31 +74,47 @@ class Packed:
         sizes = [math.prod(s) for s in shapes]
         if min(sizes, default=0) == 0:
             raise ValueError("cannot describe an empty tensor")
+        self.n = len(sizes)
+        self._sizes = np.asarray(sizes, dtype=np.float64)
+        # Histogram positions: every element of a tensor up to hist_sample of them, else a fixed
+        # uniform subset (drawn once, from its own generator: the training RNG is not touched).
+        gen = torch.Generator().manual_seed(0)
+        picks = [None if not hist_sample or n <= hist_sample
+                 else torch.randperm(n, generator=gen)[:hist_sample].sort().values for n in sizes]
+        taken = np.asarray([n if p is None else len(p) for n, p in zip(sizes, picks, strict=True)], dtype=np.float64)
+        self._hist_scale = self._sizes / taken
+        self._fused = None
+        if fused.usable(device.type):  # one compiled pass per tensor: no rows, no pads
+            starts = np.cumsum([0, *sizes[:-1]]).tolist()
+            self.width, self.n_rows = 1, sum(sizes)
+            self.buffer = torch.empty(self.n_rows, device=device)
+            self._starts = starts
+            self._fused = fused.FusedLayout(starts, sizes, [None if p is None else p.numpy() for p in picks])
+        else:
+            self._init_rows(sizes, device, picks)
+        self.slots = [self.buffer[s:s + n].view(shape) for s, n, shape in zip(self._starts, sizes, shapes, strict=True)]
+
+    def _init_rows(self, sizes: list[int], device: torch.device, picks: list[torch.Tensor | None]) -> None:
+        """The layout the torch ops describe: rows of ``width`` elements, each tensor in whole rows."""
         self.width = w = _pick_width(sizes)
         rows = [-(-n // w) for n in sizes]
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + r * w)
         starts.pop()
-        self.n, self.n_rows = len(sizes), sum(rows)
+        self._starts = starts
+        self.n_rows = sum(rows)
         self.buffer = torch.empty(self.n_rows * w, device=device)
-        self.slots = [self.buffer[s:s + n].view(shape) for s, n, shape in zip(starts, sizes, shapes, strict=True)]
         long = dict(device=device, dtype=torch.long)
         pads = [(s + n, s + r * w, s) for s, n, r in zip(starts, sizes, rows, strict=True) if r * w > n]
         self._pad_dst = torch.cat([torch.arange(a, b, **long) for a, b, _ in pads]) if pads else None
         self._pad_src = torch.cat([torch.full((b - a,), s, **long) for a, b, s in pads]) if pads else None
         self._row_seg = torch.repeat_interleave(torch.arange(self.n, **long), torch.tensor(rows, **long))
         self._row_first = torch.tensor(starts, **long)[self._row_seg]  # where the row's tensor starts
-        self._sizes = np.asarray(sizes, dtype=np.float64)
         self._seg_rows = np.cumsum([0, *rows[:-1]])  # the first row of each tensor
-        # Histogram positions: every element of a tensor up to hist_sample of them, else a fixed
-        # uniform subset (drawn once, from its own generator: the training RNG is not touched).
-        gen = torch.Generator().manual_seed(0)
-        picks = [torch.arange(n) if not hist_sample or n <= hist_sample
-                 else torch.randperm(n, generator=gen)[:hist_sample].sort().values for n in sizes]
-        self._hist_scale = self._sizes / np.asarray([len(p) for p in picks], dtype=np.float64)
         self._hist_pos = self._hist_seg = None
-        if (self._hist_scale != 1).any():
+        if any(p is not None for p in picks):
+            picks = [torch.arange(n) if p is None else p for n, p in zip(sizes, picks, strict=True)]
             self._hist_pos = torch.cat([s + p for s, p in zip(starts, picks, strict=True)]).to(device)
             taken = torch.tensor([len(p) for p in picks])
             self._hist_seg = torch.repeat_interleave(torch.arange(self.n), taken).to(device)
@@ -120,6 +138,8 @@ class Packed:
         work, is what a log step pays for. The result then lives in the graph's memory and is overwritten
         by the next replay.
         """
+        if self._fused is not None:
+            return torch.from_numpy(self._fused.describe(self.buffer.numpy(), hist_bins))
         if self.buffer.device.type != "cuda" or self._graphs is None:
             return self._reduce(hist_bins)
         if hist_bins not in self._graphs:
@@ -192,6 +212,12 @@ class Packed:
         """The host half: ``[tensors, len(GRAD_STATS)]`` statistics over every element, and
         ``[tensors, hist_bins]`` counts over each tensor's [min, max] (as ``torch.histc``; a tensor
         larger than ``hist_sample`` has its counts taken from its fixed subset, scaled to its size)."""
+        if self._fused is not None:  # the kernels' table is the statistics but for the two counts
+            width = fused.FusedLayout.COLUMNS
+            table = host[:self.n * width].reshape(self.n, width).copy()
+            table[:, 5:7] /= self._sizes[:, None]
+            counts = host[self.n * width:].reshape(self.n, hist_bins) if hist_bins > 0 else None
+            return table, counts if counts is None else counts * self._hist_scale[:, None]
         rows = host[:self.n_rows * 8].reshape(self.n_rows, 8)
         starts = self._seg_rows
         sums = rows[:, :5].copy()

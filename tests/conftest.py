@@ -53,17 +53,6 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-# Tests that take ``device`` run on the CPU everywhere and again on a CUDA GPU where there is one (CI has
-# none: run ``pytest -k cuda`` on a GPU machine).
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                reason="needs a CUDA GPU"))]
-
-
-@pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> torch.device:
-    return torch.device(request.param)
-
-
 def has_module(name: str) -> bool:
     """Whether ``name`` imports; False also when a parent package is missing (``hydra_plugins`` is a namespace
     package that exists only once some Hydra plugin is installed)."""
@@ -73,3 +62,23 @@ def has_module(name: str) -> bool:
         return find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+# Tests that take ``device`` run on the CPU everywhere and again on a CUDA GPU where there is one (CI has
+# none: run ``pytest -k cuda`` on a GPU machine).
+# On the CPU the statistics have two implementations, numba's fused kernels (when installed) and torch
+# ops: "cpu" gets the first, "cpu_torch" the second.
+DEVICES = ["cpu",
+           pytest.param("cpu_torch", marks=pytest.mark.skipif(not has_module("numba"),
+                                                              reason="without numba, cpu is the torch ops already")),
+           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    if request.param == "cpu_torch":
+        from hookexp import fused
+
+        monkeypatch.setattr(fused, "ENABLED", False)
+        return torch.device("cpu")
+    return torch.device(request.param)

@@ -200,3 +200,30 @@ def test_gradients_are_read_afresh_every_step_and_a_missing_one_is_skipped(devic
         assert grads.names == [n for n, _ in present]
         for row, (_, g) in zip(grads.values, present, strict=True):
             assert row == pytest.approx(reference(g), rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.skipif(not __import__("conftest").has_module("numba"), reason="needs numba (hookexp[fast])")
+@pytest.mark.parametrize("hist_sample", [None, 300])
+def test_fused_cpu_kernels_equal_the_torch_ops(monkeypatch, hist_sample):
+    import numpy as np
+
+    from hookexp import fused
+    from hookexp.stats import Packed
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(37, 11) * 1e3 + 5e4, torch.zeros(5), torch.randn(1000).clamp(min=0), torch.tensor([2.0]),
+               torch.tensor([1.0, float("nan"), -3.0]), torch.tensor([-float("inf"), 0.0, 4.0]), torch.randn(3, 3, 5)]
+    out = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(fused, "ENABLED", enabled)
+        packed = Packed([t.shape for t in tensors], torch.device("cpu"), hist_sample)
+        assert (packed._fused is not None) == enabled
+        torch._foreach_copy_(packed.slots, tensors)
+        out[enabled] = packed.decode(packed.reduce(8).numpy(), 8)
+    (table, counts), (ref_table, ref_counts) = out[True], out[False]
+    np.testing.assert_allclose(table, ref_table, rtol=2e-6, atol=0, equal_nan=True)
+    finite = np.isfinite(table[:, 3]) & np.isfinite(table[:, 4])  # ranges with NaN/Inf are not logged
+    assert finite.sum() == 5 and (counts[finite] == ref_counts[finite]).all()  # the same bins, element for element
+    for t, row in zip(tensors, table, strict=True):  # and both equal torch itself
+        if torch.isfinite(t).all():
+            assert all(close(a, b) for a, b in zip(row, reference(t), strict=True)), (row, reference(t))

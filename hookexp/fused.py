@@ -1,0 +1,137 @@
+"""Every statistic of a packed CPU buffer in one compiled pass per tensor (numba), when numba is installed.
+
+On the CPU a log step's statistics in torch cost about thirty ops, each a full pass over the packed
+buffer plus the dispatcher's overhead; on a small model that is more than the training step itself.
+Here one compiled loop per tensor reads each element once for the sums and counts (and once more for
+the exact variance), numpy's SIMD ``reduceat`` gives the minima and maxima, and the histogram counts
+a fixed set of positions: a few tens of microseconds instead of a few hundred.
+
+Optional (``pip install hookexp[fast]``): without numba :mod:`hookexp.stats` uses its torch ops, which
+give the same numbers. Compiled once per machine (numba's on-disk cache), imported only by a CPU run
+that computes statistics. The kernels run single-threaded and release the GIL: they never start a
+thread pool beside torch's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+# Reassociation lets the sums vectorise; no "nnan"/"ninf": NaN and Inf must propagate as in torch.
+_FAST = {"contract", "reassoc", "nsz", "arcp"}
+
+
+ENABLED = True  # False: always the torch ops (the tests compare both)
+
+
+def usable(device_type: str) -> bool:
+    """Whether a layout on this device type is described here: CPU, numba installed, not switched off."""
+    return ENABLED and device_type == "cpu" and _installed()
+
+
+@cache
+def _installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+@cache
+def _kernels() -> tuple[Any, Any]:
+    import numba
+
+    @numba.njit(cache=True, nogil=True, fastmath=_FAST)
+    def moments(buf, starts, sizes, out):  # pragma: no cover - compiled
+        """out[t] = norm, mean, std, -, -, zeros, negatives of buf[starts[t]:starts[t] + sizes[t]]."""
+        for t in range(starts.shape[0]):
+            m = sizes[t]
+            x = buf[starts[t]:starts[t] + m]  # a slice, not buf[s + i]: only then does the loop vectorise
+            total, squares = 0.0, 0.0
+            zeros, negs = 0, 0
+            for i in range(m):
+                v = x[i]
+                w = np.float64(v)
+                total += w
+                squares += w * w
+                zeros += np.int64(v == 0)
+                negs += np.int64(v < 0)  # NaN: neither zero nor negative, as in torch
+            mean = total / m
+            spread = 0.0  # the exact variance: a second pass around the mean, in float64
+            for i in range(m):
+                d = np.float64(x[i]) - mean
+                spread += d * d
+            out[t, 0] = math.sqrt(squares)
+            out[t, 1] = mean
+            out[t, 2] = math.sqrt(spread / (m - 1)) if m > 1 else math.nan
+            out[t, 5] = zeros
+            out[t, 6] = negs
+
+    @numba.njit(cache=True, nogil=True)
+    def histogram(buf, starts, sizes, lo, hi, pos, pos_start, bins, counts, idx):  # pragma: no cover - compiled
+        """counts[t] += the bins (torch.histc's float32 arithmetic) of buf[starts[t] + p] for the positions p
+        in pos[pos_start[t]:pos_start[t + 1]], or of every element of tensor t where that range is empty.
+        A tensor whose range is not finite is skipped: it has no histogram (so no value here is NaN).
+        The bins are found first (a loop that vectorises, into the scratch ``idx``), then counted in four
+        interleaved tallies: one tally would wait on itself whenever neighbours share a bin (ReLU zeros)."""
+        nb = np.float32(bins)
+        tally = np.zeros((4, bins), dtype=np.int64)
+        for t in range(starts.shape[0]):
+            low = lo[t]
+            if not (np.isfinite(low) and np.isfinite(hi[t])):
+                continue
+            width = max(hi[t] - low, np.float32(1e-30))
+            x = buf[starts[t]:starts[t] + sizes[t]]
+            a, b = pos_start[t], pos_start[t + 1]
+            n = b - a if b > a else sizes[t]
+            if b > a:
+                for j in range(n):
+                    idx[j] = min(np.int32((x[pos[a + j]] - low) / width * nb), bins - 1)
+            else:
+                for j in range(n):
+                    idx[j] = min(np.int32((x[j] - low) / width * nb), bins - 1)
+            tally[:] = 0
+            q = n // 4
+            for j in range(q):
+                tally[0, idx[4 * j]] += 1
+                tally[1, idx[4 * j + 1]] += 1
+                tally[2, idx[4 * j + 2]] += 1
+                tally[3, idx[4 * j + 3]] += 1
+            for j in range(4 * q, n):
+                tally[0, idx[j]] += 1
+            for k in range(bins):
+                counts[t, k] += tally[0, k] + tally[1, k] + tally[2, k] + tally[3, k]
+
+    return moments, histogram
+
+
+class FusedLayout:
+    """What the kernels need to know about one :class:`~hookexp.stats.Packed` layout: where each tensor
+    starts in the (unpadded) buffer, its size, and the positions its histogram counts."""
+
+    COLUMNS = 7  # norm, mean, std, min, max, zeros, negatives
+
+    def __init__(self, starts: list[int], sizes: list[int], picks: list[np.ndarray | None]):
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        taken = [len(p) if p is not None else 0 for p in picks]  # 0: every element
+        self.pos = np.concatenate([p for p in picks if p is not None] or [np.empty(0)]).astype(np.int64)
+        self.pos_start = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
+        counted = [n if k == 0 else k for n, k in zip(sizes, taken, strict=True)]  # elements a histogram bins
+        self._idx = np.empty(max(counted), dtype=np.int32)  # the histogram's scratch: one tensor's bins
+        self.moments, self.histogram = _kernels()
+
+    def describe(self, buf: np.ndarray, bins: int) -> np.ndarray:
+        """``[tensors, COLUMNS]`` statistics followed by ``[tensors, bins]`` histogram counts, flat float64."""
+        n = len(self.sizes)
+        out = np.empty(n * (self.COLUMNS + bins))
+        table = out[:n * self.COLUMNS].reshape(n, self.COLUMNS)
+        self.moments(buf, self.starts, self.sizes, table)
+        lo, hi = np.minimum.reduceat(buf, self.starts), np.maximum.reduceat(buf, self.starts)  # SIMD; NaN wins
+        table[:, 3], table[:, 4] = lo, hi
+        if bins > 0:
+            counts = out[n * self.COLUMNS:].reshape(n, bins)
+            counts.fill(0.0)
+            self.histogram(buf, self.starts, self.sizes, lo, hi, self.pos, self.pos_start, bins, counts, self._idx)
+        return out
