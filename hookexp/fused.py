@@ -15,12 +15,14 @@ thread pool beside torch's.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from functools import cache
 from typing import Any
 
 import numpy as np
 
+log = logging.getLogger("hookexp.stats")
 # Reassociation lets the sums vectorise; no "nnan"/"ninf": NaN and Inf must propagate as in torch.
 _FAST = {"contract", "reassoc", "nsz", "arcp"}
 
@@ -29,13 +31,26 @@ ENABLED = True  # False: always the torch ops (the tests compare both)
 
 
 def usable(device_type: str) -> bool:
-    """Whether a layout on this device type is described here: CPU, numba installed, not switched off."""
-    return ENABLED and device_type == "cpu" and _installed()
+    """Whether a layout on this device type is described here: CPU, numba installed and working, not
+    switched off."""
+    return ENABLED and device_type == "cpu" and _working()
+
+
+def _installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
 
 
 @cache
-def _installed() -> bool:
-    return importlib.util.find_spec("numba") is not None
+def _working() -> bool:
+    if not _installed():
+        return False
+    try:  # compiles (or loads from numba's cache) and runs every kernel once
+        FusedLayout([0], [2], [None]).describe(np.array([1.0, 2.0], dtype=np.float32), 2)
+    except Exception as e:  # e.g. a numba too old for this numpy: the torch ops give the same numbers
+        log.warning("statistics: numba is installed but unusable (%s: %s); using torch ops on the CPU instead",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+    return True
 
 
 @cache
@@ -44,7 +59,7 @@ def _kernels() -> tuple[Any, Any]:
 
     @numba.njit(cache=True, nogil=True, fastmath=_FAST)
     def moments(buf, starts, sizes, out):  # pragma: no cover - compiled
-        """out[t] = norm, mean, std, -, -, zeros, negatives of buf[starts[t]:starts[t] + sizes[t]]."""
+        """out[t] = norm, mean, std, -, -, frac_zero, frac_neg of buf[starts[t]:starts[t] + sizes[t]]."""
         for t in range(starts.shape[0]):
             m = sizes[t]
             x = buf[starts[t]:starts[t] + m]  # a slice, not buf[s + i]: only then does the loop vectorise
@@ -65,12 +80,12 @@ def _kernels() -> tuple[Any, Any]:
             out[t, 0] = math.sqrt(squares)
             out[t, 1] = mean
             out[t, 2] = math.sqrt(spread / (m - 1)) if m > 1 else math.nan
-            out[t, 5] = zeros
-            out[t, 6] = negs
+            out[t, 5] = zeros / m
+            out[t, 6] = negs / m
 
     @numba.njit(cache=True, nogil=True)
-    def histogram(buf, starts, sizes, lo, hi, pos, pos_start, bins, counts, idx):  # pragma: no cover - compiled
-        """counts[t] += the bins (torch.histc's float32 arithmetic) of buf[starts[t] + p] for the positions p
+    def histogram(buf, starts, sizes, lo, hi, pos, pos_start, bins, scale, counts, idx):  # pragma: no cover
+        """counts[t] += scale[t] * the bins (torch.histc's float32 arithmetic) of buf[starts[t] + p] for the positions p
         in pos[pos_start[t]:pos_start[t + 1]], or of every element of tensor t where that range is empty.
         A tensor whose range is not finite is skipped: it has no histogram (so no value here is NaN).
         The bins are found first (a loop that vectorises, into the scratch ``idx``), then counted in four
@@ -101,7 +116,7 @@ def _kernels() -> tuple[Any, Any]:
             for j in range(4 * q, n):
                 tally[0, idx[j]] += 1
             for k in range(bins):
-                counts[t, k] += tally[0, k] + tally[1, k] + tally[2, k] + tally[3, k]
+                counts[t, k] += (tally[0, k] + tally[1, k] + tally[2, k] + tally[3, k]) * scale[t]
 
     return moments, histogram
 
@@ -110,9 +125,10 @@ class FusedLayout:
     """What the kernels need to know about one :class:`~hookexp.stats.Packed` layout: where each tensor
     starts in the (unpadded) buffer, its size, and the positions its histogram counts."""
 
-    COLUMNS = 7  # norm, mean, std, min, max, zeros, negatives
+    COLUMNS = 7  # norm, mean, std, min, max, frac_zero, frac_neg: GRAD_STATS
 
-    def __init__(self, starts: list[int], sizes: list[int], picks: list[np.ndarray | None]):
+    def __init__(self, starts: list[int], sizes: list[int], picks: list[np.ndarray | None],
+                 hist_scale: np.ndarray | None = None):
         self.starts = np.asarray(starts, dtype=np.int64)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         taken = [len(p) if p is not None else 0 for p in picks]  # 0: every element
@@ -120,10 +136,13 @@ class FusedLayout:
         self.pos_start = np.concatenate([[0], np.cumsum(taken)]).astype(np.int64)
         counted = [n if k == 0 else k for n, k in zip(sizes, taken, strict=True)]  # elements a histogram bins
         self._idx = np.empty(max(counted), dtype=np.int32)  # the histogram's scratch: one tensor's bins
+        # a sampled tensor's counts are scaled to its size
+        self.scale = np.ones(len(sizes)) if hist_scale is None else np.asarray(hist_scale, dtype=np.float64)
         self.moments, self.histogram = _kernels()
 
     def describe(self, buf: np.ndarray, bins: int) -> np.ndarray:
-        """``[tensors, COLUMNS]`` statistics followed by ``[tensors, bins]`` histogram counts, flat float64."""
+        """``[tensors, COLUMNS]`` statistics followed by ``[tensors, bins]`` histogram counts (scaled to the
+        tensor's size where a subset was counted), flat float64."""
         n = len(self.sizes)
         out = np.empty(n * (self.COLUMNS + bins))
         table = out[:n * self.COLUMNS].reshape(n, self.COLUMNS)
@@ -133,5 +152,6 @@ class FusedLayout:
         if bins > 0:
             counts = out[n * self.COLUMNS:].reshape(n, bins)
             counts.fill(0.0)
-            self.histogram(buf, self.starts, self.sizes, lo, hi, self.pos, self.pos_start, bins, counts, self._idx)
+            self.histogram(buf, self.starts, self.sizes, lo, hi, self.pos, self.pos_start, bins, self.scale, counts,
+                           self._idx)
         return out

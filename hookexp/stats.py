@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
-from itertools import pairwise
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from hookexp.targets import resolve
 GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
 ACT_STATS = ("mean", "std", "frac_zero")
 _COL = {s: i for i, s in enumerate(GRAD_STATS)}  # the columns of Packed.decode
+_ACT_COLS = [_COL[s] for s in ACT_STATS]
 log = logging.getLogger("hookexp.stats")
 WIDTHS = tuple(2 ** k for k in range(6, 14))  # candidate row widths, 64 .. 8192
 
@@ -89,7 +90,8 @@ class Packed:
             self.width, self.n_rows = 1, sum(sizes)
             self.buffer = torch.empty(self.n_rows, device=device)
             self._starts = starts
-            self._fused = fused.FusedLayout(starts, sizes, [None if p is None else p.numpy() for p in picks])
+            self._fused = fused.FusedLayout(starts, sizes, [None if p is None else p.numpy() for p in picks],
+                                            self._hist_scale)
         else:
             self._init_rows(sizes, device, picks)
         self.slots = [self.buffer[s:s + n].view(shape) for s, n, shape in zip(self._starts, sizes, shapes, strict=True)]
@@ -212,12 +214,10 @@ class Packed:
         """The host half: ``[tensors, len(GRAD_STATS)]`` statistics over every element, and
         ``[tensors, hist_bins]`` counts over each tensor's [min, max] (as ``torch.histc``; a tensor
         larger than ``hist_sample`` has its counts taken from its fixed subset, scaled to its size)."""
-        if self._fused is not None:  # the kernels' table is the statistics but for the two counts
+        if self._fused is not None:  # the kernels wrote the statistics themselves
             width = fused.FusedLayout.COLUMNS
-            table = host[:self.n * width].reshape(self.n, width).copy()
-            table[:, 5:7] /= self._sizes[:, None]
-            counts = host[self.n * width:].reshape(self.n, hist_bins) if hist_bins > 0 else None
-            return table, counts if counts is None else counts * self._hist_scale[:, None]
+            return (host[:self.n * width].reshape(self.n, width),
+                    host[self.n * width:].reshape(self.n, hist_bins) if hist_bins > 0 else None)
         rows = host[:self.n_rows * 8].reshape(self.n_rows, 8)
         starts = self._seg_rows
         sums = rows[:, :5].copy()
@@ -243,8 +243,10 @@ def bin_edges(lo: np.ndarray, hi: np.ndarray, bins: int) -> np.ndarray:
     """``[len(lo), bins + 1]`` edges of equal bins over each [lo, hi], the first exactly ``lo`` and the
     last exactly ``hi`` (as ``np.linspace``); a range of one value gets a unit-wide one around it."""
     flat = hi <= lo
-    lo, hi = np.where(flat, lo - 0.5, lo), np.where(flat, lo + 0.5, hi)
-    edges = lo[:, None] + ((hi - lo) / bins)[:, None] * np.arange(bins + 1)
+    if flat.any():
+        lo, hi = np.where(flat, lo - 0.5, lo), np.where(flat, lo + 0.5, hi)
+    edges = np.multiply.outer((hi - lo) / bins, np.arange(bins + 1.0))
+    edges += lo[:, None]
     edges[:, -1] = hi
     return edges
 
@@ -309,6 +311,7 @@ class StepStatsResult:
     activations: dict[str, float]  # act/<module>/<stat>
     act_hists: dict[str, tuple[list[float], float, float]]  # module -> (counts, lo, hi)
     extra: list[list[float]]  # the values of each ``extra`` tensor given to finish (None: [])
+    hist_rows: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)  # see histograms()
 
     def metrics(self) -> dict[str, float]:
         """Every statistic under its metric key (``act/...``, ``grad/...``, ``grad/global_norm``)."""
@@ -319,17 +322,7 @@ class StepStatsResult:
 
         A tensor holding NaN or Inf has no finite range to bin: it has no histogram on that step (its
         ``min``/``max`` statistics say why), rather than one with NaN edges."""
-        out = {f"act/{n}/hist": h for n, h in self.act_hists.items()}
-        g = self.grads
-        if g is not None and g.hist is not None:
-            out.update({f"grad/{n}/hist": (h, lo, hi) for n, h, (lo, hi) in zip(g.names, g.hist, g.hist_range,
-                                                                                   strict=True)})
-        out = {k: h for k, h in out.items() if math.isfinite(h[1]) and math.isfinite(h[2])}
-        if not out:
-            return {}
-        found = list(out.values())
-        edges = bin_edges(np.array([h[1] for h in found]), np.array([h[2] for h in found]), len(found[0][0]))
-        return {k: (h[0], e) for (k, h), e in zip(out.items(), edges.tolist(), strict=True)}
+        return self.hist_rows
 
 
 class StepStats:
@@ -447,7 +440,7 @@ class StepStats:
         device = parts[0].device if parts else given[0].device if given else None
         parts += [t.detach().reshape(-1).to(device, wide_dtype(device)) for t in given]
         host = torch.cat(parts).cpu().numpy() if parts else np.empty(0)  # the one transfer
-        offsets = np.cumsum([0, *(p.numel() for p in parts)])
+        offsets = list(accumulate((p.numel() for p in parts), initial=0))
         chunks = [host[a:b] for a, b in pairwise(offsets)]
         stats_host = chunks.pop(0) if packed is not None else None
         values = iter(c.tolist() for c in chunks)
@@ -456,21 +449,27 @@ class StepStats:
             return result
         table, hist = packed.decode(stats_host, self.hist_bins)
         names = self._names(keys)
-        is_grad = names.is_grad
-        if is_grad.any():
-            g = table[is_grad]
+        if names.grads:
+            g = table[names.grad_rows]
             result.grads = GradStatsResult(
-                list(names.grads), g.tolist(), float(np.sqrt(np.square(g[:, _COL["norm"]]).sum())), names.grad_keys,
-                hist[is_grad].tolist() if hist is not None else None)
-        if not is_grad.all():
-            a = table[~is_grad]
-            values = a[:, [_COL[s] for s in ACT_STATS]].tolist()
+                list(names.grads), g.tolist(), math.sqrt(float(np.square(g[:, _COL["norm"]]).sum())), names.grad_keys,
+                hist[names.grad_rows].tolist() if hist is not None else None)
+        if names.acts:
+            a = table[names.act_rows]
+            values = a[:, _ACT_COLS].tolist()
             result.activations = {k: v for ks, row in zip(names.act_keys, values, strict=True)
                                   for k, v in zip(ks, row, strict=True)}
             if hist is not None:
                 result.act_hists = {n: (h, lo, hi) for n, h, lo, hi in zip(
-                    names.acts, hist[~is_grad].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
+                    names.acts, hist[names.act_rows].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
                     strict=True)}
+        if hist is not None:  # every histogram with a finite range, with its edges: what the sinks log
+            lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
+            finite = (np.isfinite(lo) & np.isfinite(hi)).tolist()
+            with np.errstate(invalid="ignore"):
+                edges = bin_edges(lo, hi, self.hist_bins).tolist()
+            result.hist_rows = {k: (c, e) for k, c, e, ok in zip(names.hist_keys, hist.tolist(), edges, finite,
+                                                                  strict=True) if ok}
         return result
 
     def _names(self, keys: tuple[tuple[str, str], ...]) -> _Names:
@@ -480,16 +479,25 @@ class StepStats:
         return names
 
 
+def _rows(rows: list[int]) -> slice | np.ndarray:
+    """Rows of a table as a slice when they are consecutive (a view, and faster than a mask)."""
+    if rows and rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return np.asarray(rows, dtype=np.int64)
+
+
 class _Names:
     """What a layout's keys mean on the host: which rows are gradients, their names and metric keys
     (built once per layout, not on every log step)."""
 
     def __init__(self, keys: tuple[tuple[str, str], ...]):
-        self.is_grad = np.array([kind == "grad" for kind, _ in keys])
+        self.grad_rows = _rows([i for i, (kind, _) in enumerate(keys) if kind == "grad"])
+        self.act_rows = _rows([i for i, (kind, _) in enumerate(keys) if kind == "act"])
         self.grads = [n for kind, n in keys if kind == "grad"]
         self.acts = [n for kind, n in keys if kind == "act"]
         self.grad_keys = [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.grads]
         self.act_keys = [[f"act/{n}/{s}" for s in ACT_STATS] for n in self.acts]
+        self.hist_keys = [f"{kind}/{n}/hist" for kind, n in keys]  # in the table's row order
 
 
 class GradStats:

@@ -227,3 +227,25 @@ def test_fused_cpu_kernels_equal_the_torch_ops(monkeypatch, hist_sample):
     for t, row in zip(tensors, table, strict=True):  # and both equal torch itself
         if torch.isfinite(t).all():
             assert all(close(a, b) for a, b in zip(row, reference(t), strict=True)), (row, reference(t))
+
+
+def test_a_broken_numba_falls_back_to_the_torch_ops_with_one_warning(monkeypatch, caplog):
+    from hookexp import fused
+    from hookexp.stats import Packed
+
+    def broken():
+        raise ImportError("numba needs numpy < 2.5\nsecond line")
+
+    monkeypatch.setattr(fused, "_kernels", broken)
+    monkeypatch.setattr(fused, "_installed", lambda: True)
+    fused._working.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="hookexp.stats"):
+            packed = Packed([torch.Size([3])], torch.device("cpu"))
+            Packed([torch.Size([4])], torch.device("cpu"))
+        assert packed._fused is None and packed.width == 64  # the torch ops' rows
+        assert [r.getMessage() for r in caplog.records] == [
+            "statistics: numba is installed but unusable (ImportError: numba needs numpy < 2.5); using torch ops on "
+            "the CPU instead"]
+    finally:
+        fused._working.cache_clear()
