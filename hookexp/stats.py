@@ -348,6 +348,7 @@ class StepStats:
         self.hist_bins = hist_bins
         self._layouts = _Layouts(hist_sample)
         self._packed: Packed | None = None
+        self._packed_key: tuple[tuple[tuple[str, str], ...], list[torch.Size]] = ((), [])  # what _packed holds
         self._slots: dict[tuple[str, str], torch.Tensor] = {}
         self._seen: dict[tuple[str, str], torch.Tensor] = {}  # what this log step copied, by (kind, name)
         self._handles: list[Any] = []
@@ -428,7 +429,11 @@ class StepStats:
         if keys:
             tensors = [seen[k] for k in keys]
             shapes = [t.shape for t in tensors]
-            packed = self._layouts.get((keys, tuple(shapes)), shapes, tensors[0].device)
+            packed = self._packed
+            if (packed is None or keys != self._packed_key[0] or shapes != self._packed_key[1]  # (cheaper than a hash)
+                    or packed.buffer.device != tensors[0].device):
+                packed = self._layouts.get((keys, tuple(shapes)), shapes, tensors[0].device)
+                self._packed_key = (keys, shapes)
             if packed is not self._packed:
                 self._packed, self._slots = packed, dict(zip(keys, packed.slots, strict=True))
                 self._remember_fast_path()
@@ -465,11 +470,15 @@ class StepStats:
                     strict=True)}
         if hist is not None:  # every histogram with a finite range, with its edges: what the sinks log
             lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
-            finite = (np.isfinite(lo) & np.isfinite(hi)).tolist()
-            with np.errstate(invalid="ignore"):
+            finite = np.isfinite(lo) & np.isfinite(hi)
+            if finite.all():
                 edges = bin_edges(lo, hi, self.hist_bins).tolist()
-            result.hist_rows = {k: (c, e) for k, c, e, ok in zip(names.hist_keys, hist.tolist(), edges, finite,
-                                                                  strict=True) if ok}
+                result.hist_rows = dict(zip(names.hist_keys, zip(hist.tolist(), edges, strict=True), strict=True))
+            else:
+                with np.errstate(invalid="ignore"):
+                    edges = bin_edges(lo, hi, self.hist_bins).tolist()
+                result.hist_rows = {k: (c, e) for k, c, e, ok in zip(names.hist_keys, hist.tolist(), edges,
+                                                                      finite.tolist(), strict=True) if ok}
         return result
 
     def _names(self, keys: tuple[tuple[str, str], ...]) -> _Names:

@@ -321,7 +321,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         metrics.update({f"hook/{name}/{k}": v for k, v in row.items() if k != "targets"})
                     sinks.log(metrics, step, read.histograms())
                     summary.update({k: metrics[k] for k in ("train/loss", "train/acc")})
-                    bar.set_postfix(loss=f"{loss_v:.4f}", acc=f"{acc_v:.3f}")
+                    if not bar.disable:
+                        bar.set_postfix(loss=f"{loss_v:.4f}", acc=f"{acc_v:.3f}")
                 bar.update(1)
                 step += 1
                 batch_in_epoch += 1
