@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overhead.py                 # all models, 5 repeats
     .venv/bin/python benchmarks/overhead.py --models small_cnn --repeats 3 --steps 60
+    .venv/bin/python benchmarks/overhead.py --models small_cnn --cases a,b,c,d   # a subset of the cases
     python benchmarks/overhead.py --device cuda              # on a GPU machine
 
 Cases, interleaved in every repeat (median over repeats of the mean step time over ``--steps``):
@@ -159,8 +160,11 @@ def main() -> None:
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    from hookexp import fused
+
+    kernels = "numba's fused kernels" if fused.usable(torch.device(args.device).type) else "torch ops"
     print(f"\ntorch {torch.__version__}, {args.device} ({where}), {args.steps} steps x {args.repeats} repeats "
-          f"(median)\n")
+          f"(median); statistics computed by {kernels}\n")
     ratios = [("b", "a"), ("c", "b"), ("c_g", "b"), ("c_x", "b"), ("d", "b"), ("c_wb", "b"), ("e", "a"), ("f", "a"),
               ("e", "c"), ("e", "c_wb"), ("g_grad", "a"), ("g_pre", "a"), ("g_hand", "a"), ("g_pre", "g_hand")]
     ran = set(times[names[0]])

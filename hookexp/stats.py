@@ -311,14 +311,15 @@ class StepStatsResult:
     activations: dict[str, float]  # act/<module>/<stat>
     act_hists: dict[str, tuple[list[float], float, float]]  # module -> (counts, lo, hi)
     extra: list[list[float]]  # the values of each ``extra`` tensor given to finish (None: [])
-    hist_rows: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)  # see histograms()
+    hist_rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # see histograms()
 
     def metrics(self) -> dict[str, float]:
         """Every statistic under its metric key (``act/...``, ``grad/...``, ``grad/global_norm``)."""
         return {**self.activations, **(self.grads.metrics() if self.grads is not None else {})}
 
-    def histograms(self) -> dict[str, tuple[list[float], list[float]]]:
-        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, bin edges), as every sink logs them.
+    def histograms(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, bin edges) as float64 arrays, as every
+        sink logs them.
 
         A tensor holding NaN or Inf has no finite range to bin: it has no histogram on that step (its
         ``min``/``max`` statistics say why), rather than one with NaN edges."""
@@ -469,16 +470,15 @@ class StepStats:
                     names.acts, hist[names.act_rows].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
                     strict=True)}
         if hist is not None:  # every histogram with a finite range, with its edges: what the sinks log
+            # (rows of numpy arrays, not lists: orjson and W&B take them as they are, and a log step of a deep
+            # model has thousands of counts and edges)
             lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
             finite = np.isfinite(lo) & np.isfinite(hi)
-            if finite.all():
-                edges = bin_edges(lo, hi, self.hist_bins).tolist()
-                result.hist_rows = dict(zip(names.hist_keys, zip(hist.tolist(), edges, strict=True), strict=True))
-            else:
-                with np.errstate(invalid="ignore"):
-                    edges = bin_edges(lo, hi, self.hist_bins).tolist()
-                result.hist_rows = {k: (c, e) for k, c, e, ok in zip(names.hist_keys, hist.tolist(), edges,
-                                                                      finite.tolist(), strict=True) if ok}
+            with np.errstate(invalid="ignore"):  # inf - inf, for ranges that are then left out
+                edges = bin_edges(lo, hi, self.hist_bins)
+            rows = zip(names.hist_keys, hist, edges, strict=True)
+            result.hist_rows = ({k: (c, e) for k, c, e in rows} if finite.all() else
+                                {k: (c, e) for (k, c, e), ok in zip(rows, finite.tolist(), strict=True) if ok})
         return result
 
     def _names(self, keys: tuple[tuple[str, str], ...]) -> _Names:

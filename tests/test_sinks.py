@@ -18,12 +18,14 @@ def lines(path: Path) -> list[dict]:
 def test_lines_hold_exact_floats_and_name_non_finite_values(tmp_path: Path):
     files = LocalFiles(tmp_path)
     files.log({"a": 0.1 + 0.2, "b": 1e-300, "n": 7, "np": np.float64(2.5)}, step=3)
-    files.log({"a": float("nan"), "b": float("-inf"), "c": 1.0}, step=4)
+    files.log({"a": float("nan"), "b": float("-inf"), "c": 1.0}, step=4,
+              histograms={"null/hist": (np.array([1.0, 2.0]), np.array([0.0, 0.5, 1.0]))})  # "null": json's way
     files.close()
     first, second = lines(tmp_path / "metrics.jsonl")
     assert first == {"trainer/step": 3, "a": 0.1 + 0.2, "b": 1e-300, "n": 7, "np": 2.5}  # round-trips bit for bit
     assert second == {"trainer/step": 4, "a": "nan", "b": "-inf", "c": 1.0}
-    assert not (tmp_path / "histograms.jsonl").exists()  # no histogram was logged
+    assert lines(tmp_path / "histograms.jsonl") == [
+        {"trainer/step": 4, "null/hist": {"bins": [0.0, 0.5, 1.0], "values": [1.0, 2.0]}}]  # arrays as lists
     with pytest.raises(TypeError, match="not JSON serializable: object"):
         LocalFiles(tmp_path).log({"x": object()}, step=5)
 
@@ -32,13 +34,14 @@ def test_histograms_get_their_own_file_and_a_resume_keeps_the_counted_lines(tmp_
     (tmp_path / "a").mkdir()
     files = LocalFiles(tmp_path / "a")
     for step in range(3):
-        files.log({"x": float(step)}, step, {"grad/w/hist": ([1.0, step], [0.0, 0.5, 1.0])} if step != 1 else None)
+        hist = {"grad/w/hist": (np.array([1.0, step]), np.array([0.0, 0.5, 1.0]))}  # as StepStatsResult gives them
+        files.log({"x": float(step)}, step, hist if step != 1 else None)
     counted = dict(files.lines)
     files.log({"x": 9.0}, 3, {"grad/w/hist": ([0.0, 2.0], [0.0, 1.0, 2.0])})  # after the checkpoint: dropped
     files.close()
     assert counted == {"metrics.jsonl": 3, "histograms.jsonl": 2}
     assert lines(tmp_path / "a" / "histograms.jsonl")[1] == {
-        "trainer/step": 2, "grad/w/hist": {"bins": [0.0, 0.5, 1.0], "values": [1.0, 2]}}
+        "trainer/step": 2, "grad/w/hist": {"bins": [0.0, 0.5, 1.0], "values": [1.0, 2.0]}}
 
     (tmp_path / "b").mkdir()
     LocalFiles.keep(tmp_path / "a", tmp_path / "b", counted)
