@@ -45,7 +45,7 @@ def _working() -> bool:
     if not _installed():
         return False
     try:  # compiles (or loads from numba's cache) and runs every kernel once
-        FusedLayout([0], [2], [None]).describe(np.array([1.0, 2.0], dtype=np.float32), 2)
+        FusedLayout([0], [2], [None], np.ones(1)).describe(np.array([1.0, 2.0], dtype=np.float32), 2)
     except Exception as e:  # e.g. a numba too old for this numpy: the torch ops give the same numbers
         log.warning("statistics: numba is installed but unusable (%s: %s); using torch ops on the CPU instead",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -127,8 +127,7 @@ class FusedLayout:
 
     COLUMNS = 7  # norm, mean, std, min, max, frac_zero, frac_neg: GRAD_STATS
 
-    def __init__(self, starts: list[int], sizes: list[int], picks: list[np.ndarray | None],
-                 hist_scale: np.ndarray | None = None):
+    def __init__(self, starts: list[int], sizes: list[int], picks: list[np.ndarray | None], hist_scale: np.ndarray):
         self.starts = np.asarray(starts, dtype=np.int64)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         taken = [len(p) if p is not None else 0 for p in picks]  # 0: every element
@@ -137,7 +136,7 @@ class FusedLayout:
         counted = [n if k == 0 else k for n, k in zip(sizes, taken, strict=True)]  # elements a histogram bins
         self._idx = np.empty(max(counted), dtype=np.int32)  # the histogram's scratch: one tensor's bins
         # a sampled tensor's counts are scaled to its size
-        self.scale = np.ones(len(sizes)) if hist_scale is None else np.asarray(hist_scale, dtype=np.float64)
+        self.scale = np.asarray(hist_scale, dtype=np.float64)
         self.moments, self.histogram = _kernels()
 
     def describe(self, buf: np.ndarray, bins: int) -> np.ndarray:

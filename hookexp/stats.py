@@ -272,14 +272,20 @@ class _Layouts:
     def __init__(self, hist_sample: int | None, keep: int = 4):
         self.hist_sample, self.keep = hist_sample, keep
         self._cache: OrderedDict[Any, Packed] = OrderedDict()
+        self._last: tuple[Any, list[torch.Size], Packed] | None = None
 
-    def get(self, key: Any, shapes: list[torch.Size], device: torch.device) -> Packed:
+    def get(self, keys: Any, shapes: list[torch.Size], device: torch.device) -> Packed:
+        last = self._last  # the usual log step: the layout of the last one, found without hashing its key
+        if last is not None and keys == last[0] and shapes == last[1] and last[2].buffer.device == device:
+            return last[2]
+        key = (keys, tuple(shapes))
         packed = self._cache.get(key)
         if packed is None or packed.buffer.device != device:
             packed = self._cache[key] = Packed(shapes, device, self.hist_sample)
             if len(self._cache) > self.keep:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
+        self._last = (keys, shapes, packed)
         return packed
 
 
@@ -349,7 +355,6 @@ class StepStats:
         self.hist_bins = hist_bins
         self._layouts = _Layouts(hist_sample)
         self._packed: Packed | None = None
-        self._packed_key: tuple[tuple[tuple[str, str], ...], list[torch.Size]] = ((), [])  # what _packed holds
         self._slots: dict[tuple[str, str], torch.Tensor] = {}
         self._seen: dict[tuple[str, str], torch.Tensor] = {}  # what this log step copied, by (kind, name)
         self._handles: list[Any] = []
@@ -430,11 +435,7 @@ class StepStats:
         if keys:
             tensors = [seen[k] for k in keys]
             shapes = [t.shape for t in tensors]
-            packed = self._packed
-            if (packed is None or keys != self._packed_key[0] or shapes != self._packed_key[1]  # (cheaper than a hash)
-                    or packed.buffer.device != tensors[0].device):
-                packed = self._layouts.get((keys, tuple(shapes)), shapes, tensors[0].device)
-                self._packed_key = (keys, shapes)
+            packed = self._layouts.get(keys, shapes, tensors[0].device)
             if packed is not self._packed:
                 self._packed, self._slots = packed, dict(zip(keys, packed.slots, strict=True))
                 self._remember_fast_path()
