@@ -38,8 +38,9 @@ Histograms = Mapping[str, tuple[Any, Any]]  # key -> (counts, bin edges): float 
 
 
 def _plain(value: Any) -> Any:
-    """What orjson cannot write itself: numpy scalars (a float64 is a float subclass it refuses)."""
-    if isinstance(value, (np.generic, np.ndarray)):  # (orjson writes float64 arrays itself; json does not)
+    """numpy values for the ``json`` fallback of :func:`_dumps` (orjson writes them itself, with
+    OPT_SERIALIZE_NUMPY); anything else is refused."""
+    if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
     raise TypeError(type(value).__name__)  # orjson says "Type is not JSON serializable: <type>"
 
