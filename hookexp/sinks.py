@@ -70,6 +70,7 @@ class LocalFiles:
     """
 
     FLUSH_S = 1.0  # at most this long between a line and the disk (and at every close)
+    BUFFER = 1 << 20  # bytes per file kept before a write to the disk (flushed sooner by FLUSH_S)
     FILES = ("metrics.jsonl", "histograms.jsonl")
 
     def __init__(self, run_dir: Path):
@@ -77,7 +78,9 @@ class LocalFiles:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.histograms_path = run_dir / "histograms.jsonl"
         self.lines = {name: _count_lines(run_dir / name) for name in self.FILES}
-        self._metrics = self.metrics_path.open("ab")  # UTF-8 bytes, as orjson writes them
+        # UTF-8 bytes, as orjson writes them; a buffer that holds many lines, so that a line (a histogram line of a deep
+        # model is tens of kB, more than the default buffer) is a copy, not a write to the disk
+        self._metrics = self.metrics_path.open("ab", buffering=self.BUFFER)
         self._histograms: Any = None  # opened by the first histogram: runs without any have no such file
         self._flushed = time.monotonic()
 
@@ -97,7 +100,7 @@ class LocalFiles:
         self.lines["metrics.jsonl"] += 1
         if histograms:
             if self._histograms is None:
-                self._histograms = self.histograms_path.open("ab")
+                self._histograms = self.histograms_path.open("ab", buffering=self.BUFFER)
             row = {STEP_KEY: step, **{k: {"bins": edges, "values": counts}
                                       for k, (counts, edges) in histograms.items()}}
             self._histograms.write(_dumps(row) + b"\n")
