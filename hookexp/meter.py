@@ -67,8 +67,13 @@ class TrainMeter:
     def _local(self) -> torch.Tensor:
         if not self._losses:
             return torch.cat([self._carry, self._carry.new_zeros(1)])
-        correct = (torch.cat(self._preds) == torch.cat(self._labels)).sum().to(self._wide).reshape(1)
-        return torch.cat([self._carry, correct, torch.stack(self._losses).to(self._wide)])
+        # (torch.cat promotes the int64 count and float32 losses to the carry's dtype: no conversion op; one
+        # batch since the last log step, the usual case, costs no cat or stack of its own)
+        if len(self._losses) == 1:
+            correct, losses = (self._preds[0] == self._labels[0]).sum(), self._losses[0]
+        else:
+            correct, losses = (torch.cat(self._preds) == torch.cat(self._labels)).sum(), torch.stack(self._losses)
+        return torch.cat([self._carry, correct.reshape(1), losses.reshape(-1)])
 
     def _fold(self) -> None:
         local = self._local()

@@ -475,8 +475,11 @@ class StepStats:
             # model has thousands of counts and edges)
             lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
             finite = np.isfinite(lo) & np.isfinite(hi)
-            with np.errstate(invalid="ignore"):  # inf - inf, for ranges that are then left out
+            if finite.all():
                 edges = bin_edges(lo, hi, self.hist_bins)
+            else:
+                with np.errstate(invalid="ignore"):  # inf - inf, for ranges that are then left out
+                    edges = bin_edges(lo, hi, self.hist_bins)
             rows = zip(names.hist_keys, hist, edges, strict=True)
             result.hist_rows = ({k: (c, e) for k, c, e in rows} if finite.all() else
                                 {k: (c, e) for (k, c, e), ok in zip(rows, finite.tolist(), strict=True) if ok})
