@@ -13,7 +13,8 @@ from hookexp.stats import GRAD_STATS, ActivationStats, GradStats
 
 def reference(g: torch.Tensor) -> list[float]:
     g = g.float()
-    return [g.norm().item(), g.mean().item(), g.std().item(), g.min().item(), g.max().item(),
+    std = g.std().item() if g.numel() > 1 else math.nan  # (torch warns, then gives NaN, for one element)
+    return [g.norm().item(), g.mean().item(), std, g.min().item(), g.max().item(),
             (g == 0).float().mean().item(), (g < 0).float().mean().item()]
 
 
