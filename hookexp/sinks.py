@@ -70,7 +70,9 @@ class LocalFiles:
     """
 
     FLUSH_S = 1.0  # at most this long between a line and the disk (and at every close)
-    BUFFER = 1 << 20  # bytes per file kept before a write to the disk (flushed sooner by FLUSH_S)
+    # bytes per file held before a write to the disk (flushed sooner by FLUSH_S): many lines, where Python's default
+    # 8 kB is less than one histogram line of a small CNN, which made every log step a write syscall
+    BUFFER = 1 << 20
     FILES = ("metrics.jsonl", "histograms.jsonl")
 
     def __init__(self, run_dir: Path):
@@ -78,9 +80,7 @@ class LocalFiles:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.histograms_path = run_dir / "histograms.jsonl"
         self.lines = {name: _count_lines(run_dir / name) for name in self.FILES}
-        # UTF-8 bytes, as orjson writes them; a buffer that holds many lines, so that a line (a histogram line of a deep
-        # model is tens of kB, more than the default buffer) is a copy, not a write to the disk
-        self._metrics = self.metrics_path.open("ab", buffering=self.BUFFER)
+        self._metrics = self.metrics_path.open("ab", buffering=self.BUFFER)  # UTF-8 bytes, as orjson writes them
         self._histograms: Any = None  # opened by the first histogram: runs without any have no such file
         self._flushed = time.monotonic()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Any
@@ -475,13 +476,12 @@ class StepStats:
             # model has thousands of counts and edges)
             lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
             finite = np.isfinite(lo) & np.isfinite(hi)
-            if finite.all():
+            every = bool(finite.all())
+            # (inf - inf for the ranges that are then left out; np.errstate costs more than the edges, so only then)
+            with nullcontext() if every else np.errstate(invalid="ignore"):
                 edges = bin_edges(lo, hi, self.hist_bins)
-            else:
-                with np.errstate(invalid="ignore"):  # inf - inf, for ranges that are then left out
-                    edges = bin_edges(lo, hi, self.hist_bins)
             rows = zip(names.hist_keys, hist, edges, strict=True)
-            result.hist_rows = ({k: (c, e) for k, c, e in rows} if finite.all() else
+            result.hist_rows = ({k: (c, e) for k, c, e in rows} if every else
                                 {k: (c, e) for (k, c, e), ok in zip(rows, finite.tolist(), strict=True) if ok})
         return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -69,11 +70,16 @@ def test_non_finite_grads_are_reported_not_hidden(device):
 def test_a_tensor_without_a_finite_range_has_no_histogram(device):
     from hookexp.stats import StepStats
 
-    grads = {"nan": torch.tensor([1.0, float("nan")]), "inf": torch.tensor([1.0, float("inf")]),
+    inf = float("inf")
+    grads = {"nan": torch.tensor([1.0, float("nan")]), "inf": torch.tensor([1.0, inf]),
+             "both_infs": torch.tensor([-inf, inf]), "all_inf": torch.tensor([inf, inf]),  # inf - inf in the edges
              "ok": torch.tensor([1.0, 3.0, 2.0])}
     stats = StepStats(model_with_grads(grads, device), "*", hist_bins=2)
     stats.capture_grads()
-    hists = {k: (c.tolist(), e.tolist()) for k, (c, e) in stats.finish().histograms().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the ranges left out warn nothing either
+        result = stats.finish()
+    hists = {k: (c.tolist(), e.tolist()) for k, (c, e) in result.histograms().items()}
     assert hists == {"grad/ok/hist": ([1.0, 2.0], [1.0, 2.0, 3.0])}  # NaN/Inf: their min/max statistics say why
 
 
