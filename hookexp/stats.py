@@ -476,12 +476,12 @@ class StepStats:
             # model has thousands of counts and edges)
             lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
             finite = np.isfinite(lo) & np.isfinite(hi)
-            every = bool(finite.all())
+            all_finite = bool(finite.all())
             # (inf - inf for the ranges that are then left out; np.errstate costs more than the edges, so only then)
-            with nullcontext() if every else np.errstate(invalid="ignore"):
+            with nullcontext() if all_finite else np.errstate(invalid="ignore"):
                 edges = bin_edges(lo, hi, self.hist_bins)
             rows = zip(names.hist_keys, hist, edges, strict=True)
-            result.hist_rows = ({k: (c, e) for k, c, e in rows} if every else
+            result.hist_rows = ({k: (c, e) for k, c, e in rows} if all_finite else
                                 {k: (c, e) for (k, c, e), ok in zip(rows, finite.tolist(), strict=True) if ok})
         return result
 

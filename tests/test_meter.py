@@ -59,5 +59,5 @@ def test_the_first_non_finite_loss_is_named_by_its_step(monkeypatch, fold):
 
 def test_a_resumed_carry_is_part_of_the_first_period():
     meter = TrainMeter(torch.device("cpu"), loss_sum=1.5, correct=3, seen=4, batches=2, first_step=10)
-    loss, acc, _ = period(meter, BATCHES[:1], first_step=12)
-    assert (loss, acc) == ((1.5 + 0.5) / 3, (3 + 2) / (4 + 3))
+    loss, acc, first_bad = period(meter, BATCHES[:1], first_step=12)
+    assert (loss, acc, first_bad) == ((1.5 + 0.5) / 3, (3 + 2) / (4 + 3), None)
