@@ -363,6 +363,13 @@ class StepStats:
         self._fast: tuple[list[torch.Tensor], list[nn.Parameter], dict[tuple[str, str], torch.Tensor]] | None = None
         self._keys: dict[tuple[tuple[str, str], ...], _Names] = {}
 
+    def prepare(self, device: torch.device) -> None:
+        """Load now what describing on ``device`` takes, rather than in the first log step: on a CPU that is
+        numba's compiled kernels (about a second, once per process, even from numba's on-disk cache), which
+        the first log step's ``perf/step_time`` and the run's ``perf/train_loop_s`` would otherwise count."""
+        if self.params or self.modules:
+            fused.usable(device.type)
+
     # -- collecting --------------------------------------------------------------------------------
     def begin(self) -> None:
         """Attach the activation hooks for one log step."""

@@ -188,6 +188,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if every < 1:
         raise ConfigError(f"must be at least 1, got {every}.", key="stats.every")
     step_stats = StepStats(model, cfg.stats.grads, cfg.stats.activations, cfg.stats.hist_bins, cfg.stats.hist_sample)
+    step_stats.prepare(device)
     hook_specs = OmegaConf.to_container(cfg.hooks, resolve=True)
     hooks = attach(model, hook_specs, optimizer, measure=False)
     try:  # from here on a failure detaches the hooks again before it propagates

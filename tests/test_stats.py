@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookexp.stats import GRAD_STATS, ActivationStats, GradStats
+from hookexp.stats import GRAD_STATS, ActivationStats, GradStats, StepStats
 
 
 def reference(g: torch.Tensor) -> list[float]:
@@ -257,3 +257,16 @@ def test_a_broken_numba_falls_back_to_the_torch_ops_with_one_warning(monkeypatch
             "the CPU instead"]
     finally:
         fused._working.cache_clear()
+
+
+def test_prepare_loads_the_kernels_before_the_first_log_step_and_only_when_something_is_described(monkeypatch):
+    from hookexp import fused
+
+    calls = []
+    monkeypatch.setattr(fused, "usable", lambda device_type: calls.append(device_type) or False)
+    model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    StepStats(model, "*").prepare(torch.device("cpu"))
+    StepStats(model, None, "1").prepare(torch.device("cpu"))
+    assert calls == ["cpu", "cpu"]
+    StepStats(model, None, None).prepare(torch.device("cpu"))  # statistics off: numba is never imported
+    assert calls == ["cpu", "cpu"]

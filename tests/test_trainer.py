@@ -52,6 +52,17 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
     assert all("act/relu2/frac_zero" in r and "hook/dead_relu_probe/dead_frac" in r for r in rows)
 
 
+def test_the_statistics_kernels_are_loaded_before_the_training_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from hookexp import fused
+
+    events: list[str] = []
+    usable, begin = fused.usable, StepStats.begin
+    monkeypatch.setattr(fused, "usable", lambda device_type: events.append("load") or usable(device_type))
+    monkeypatch.setattr(StepStats, "begin", lambda self: events.append("log step") or begin(self))
+    train(config("trainer.max_steps=2", "stats.every=1"), tmp_path)
+    assert events[:2] == ["load", "log step"]  # not inside the first log step (its perf/step_time)
+
+
 def test_hooks_that_change_nothing_leave_training_bit_identical(tmp_path: Path):
     # deterministic algorithms: on CUDA some backward kernels add in a varying order (on the CPU it changes nothing)
     common = ["trainer.max_steps=30", "repro.deterministic=true"]
