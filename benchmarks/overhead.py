@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/overhead.py --models small_cnn --cases a,b,c,d   # a subset of the cases
     python benchmarks/overhead.py --device cuda              # on a GPU machine
 
-Cases, interleaved in every repeat (median over repeats of the mean step time over ``--steps``):
+Cases, interleaved in every repeat in a shuffled order (each case's time is the mean step time over ``--steps``):
   a  hand-written minimal loop (same DataLoader, model, optimizer)
   b  the hookexp trainer, no hooks, statistics off (local files; W&B's service process competes for
      the 2 cores after wandb.init and would confound the comparison with the hand loop)
@@ -23,12 +23,18 @@ Cases, interleaved in every repeat (median over repeats of the mean step time ov
      hand-written per-parameter register_hook loop (g_hand), all in the hand loop
 Trainer times are its training-loop time (summary perf/train_loop_s: steps only, no build, no eval).
 Runs are long enough (--steps, default 300) that per-run costs (the first step's allocations, the
-first and last log) stay under 1% of a case.
+first and last log) stay under 1% of a case. A warm-up pass of every case (--warmup-steps, discarded)
+first loads what a process loads once (numba's kernels, W&B, torch's own lazy set-up).
+
+Each ratio is the median over repeats of that repeat's own ratio (x and y measured minutes apart in the
+same repeat, so a machine that is slower for a while slows both), and the second table gives the lowest
+and highest of those per-repeat ratios: how far one run of the benchmark can be trusted on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -142,6 +148,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="trainer.device for every case: cpu, cuda, ...")
     parser.add_argument("--cases", default="", help="only these cases (e.g. a,b,c): the table keeps the ratios "
                         "it can compute")
+    parser.add_argument("--warmup-steps", type=int, default=30, help="steps of each case's discarded warm-up run "
+                        "(0: none)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the order of the cases in each repeat")
     args = parser.parse_args()
     import logging
     import os
@@ -149,14 +158,26 @@ def main() -> None:
     logging.disable(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")  # case c_wb's run would print its summary into the table's output
     names = args.models.split(",")
+    wanted = args.cases.split(",") if args.cases else None
+
+    def selected(m: str, steps: int) -> dict[str, Callable[[], float]]:
+        overrides, activations = MODELS[m]
+        every = cases([*overrides, f"trainer.device={args.device}"], activations, steps)
+        return {case: fn for case, fn in every.items() if wanted is None or case in wanted}
+
+    if args.warmup_steps:
+        for m in names:
+            for fn in selected(m, args.warmup_steps).values():
+                fn()
+        print("warm-up done", file=sys.stderr, flush=True)
+    order = random.Random(args.seed)
     times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     for r in range(args.repeats):
         for m in names:
-            overrides, activations = MODELS[m]
-            overrides = [*overrides, f"trainer.device={args.device}"]
-            for case, fn in cases(overrides, activations, args.steps).items():
-                if not args.cases or case in args.cases.split(","):
-                    times[m].setdefault(case, []).append(fn())
+            todo = list(selected(m, args.steps).items())
+            order.shuffle(todo)
+            for case, fn in todo:
+                times[m].setdefault(case, []).append(fn())
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
@@ -164,18 +185,28 @@ def main() -> None:
 
     kernels = "numba's fused kernels" if fused.usable(torch.device(args.device).type) else "torch ops"
     print(f"\ntorch {torch.__version__}, {args.device} ({where}), {args.steps} steps x {args.repeats} repeats "
-          f"(median); statistics computed by {kernels}\n")
+          f"(median of the per-repeat ratios); statistics computed by {kernels}\n")
     ratios = [("b", "a"), ("c", "b"), ("c_g", "b"), ("c_x", "b"), ("d", "b"), ("c_wb", "b"), ("e", "a"), ("f", "a"),
               ("e", "c"), ("e", "c_wb"), ("g_grad", "a"), ("g_pre", "a"), ("g_hand", "a"), ("g_pre", "g_hand")]
     ran = set(times[names[0]])
     ratios = [(x, y) for x, y in ratios if x in ran and y in ran]
     header = ["model", *(["a ms/step"] if "a" in ran else []), *(f"{x}/{y}" for x, y in ratios)]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for m in names:
-        med = {k: statistics.median(v) for k, v in times[m].items()}
-        row = [m, *([f"{med['a'] * 1e3:.2f}"] if "a" in ran else []), *(f"{med[x] / med[y]:.2f}" for x, y in ratios)]
-        print("| " + " | ".join(row) + " |")
+
+    def per_repeat(m: str, x: str, y: str) -> list[float]:
+        return [tx / ty for tx, ty in zip(times[m][x], times[m][y], strict=True)]
+
+    def table(cell: Callable[[list[float]], str], first: Callable[[str], list[str]]) -> None:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for m in names:
+            print("| " + " | ".join([m, *first(m), *(cell(per_repeat(m, x, y)) for x, y in ratios)]) + " |")
+
+    a_ms = (lambda m: [f"{statistics.median(times[m]['a']) * 1e3:.2f}"]) if "a" in ran else (lambda m: [])
+    table(lambda r: f"{statistics.median(r):.2f}", a_ms)
+    print(f"\nThe lowest and highest per-repeat ratio ({args.repeats} repeats; a ms/step: the fastest and slowest "
+          "repeat):\n")
+    spread = (lambda m: [f"{min(times[m]['a']) * 1e3:.2f}-{max(times[m]['a']) * 1e3:.2f}"]) if "a" in ran else a_ms
+    table(lambda r: f"{min(r):.2f}-{max(r):.2f}", spread)
 
 
 if __name__ == "__main__":
