@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookexp.stats import GRAD_STATS, ActivationStats, GradStats, StepStats
+from hookexp.stats import GRAD_STATS, ActivationStats, GradStats, Packed, StepStats, bin_edges
 
 
 def reference(g: torch.Tensor) -> list[float]:
@@ -68,8 +68,6 @@ def test_non_finite_grads_are_reported_not_hidden(device):
 
 
 def test_a_tensor_without_a_finite_range_has_no_histogram(device):
-    from hookexp.stats import StepStats
-
     inf = float("inf")
     grads = {"nan": torch.tensor([1.0, float("nan")]), "inf": torch.tensor([1.0, inf]),
              "both_infs": torch.tensor([-inf, inf]), "all_inf": torch.tensor([inf, inf]),  # inf - inf in the edges
@@ -85,8 +83,6 @@ def test_a_tensor_without_a_finite_range_has_no_histogram(device):
 
 def test_bin_edges_are_equal_bins_from_min_to_max_exactly():
     import numpy as np
-
-    from hookexp.stats import bin_edges
 
     lo, hi = np.array([-0.3, 2.0, 1e-8]), np.array([0.7, 2.0, 3e-8])
     edges = bin_edges(lo, hi, 4)
@@ -169,8 +165,6 @@ def test_activation_stats_follow_shape_changes_and_see_the_output_before_inplace
 
 
 def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(device):
-    from hookexp.stats import StepStats
-
     m = nn.Sequential(nn.Linear(3, 2), nn.ReLU()).to(device)
     stats = StepStats(m, "*.weight", "1", hist_bins=2)
     stats.begin()
@@ -193,8 +187,6 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(d
 
 
 def test_gradients_are_read_afresh_every_step_and_a_missing_one_is_skipped(device):
-    from hookexp.stats import StepStats
-
     m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).to(device)
     stats = StepStats(m, "*")
     for step in range(4):
@@ -216,8 +208,6 @@ def test_fused_cpu_kernels_equal_the_torch_ops(monkeypatch, hist_sample):
     import numpy as np
 
     from hookexp import fused
-    from hookexp.stats import Packed
-
     torch.manual_seed(0)
     tensors = [torch.randn(37, 11) * 1e3 + 5e4, torch.zeros(5), torch.randn(1000).clamp(min=0), torch.tensor([2.0]),
                torch.tensor([1.0, float("nan"), -3.0]), torch.tensor([-float("inf"), 0.0, 4.0]), torch.randn(3, 3, 5)]
@@ -239,8 +229,6 @@ def test_fused_cpu_kernels_equal_the_torch_ops(monkeypatch, hist_sample):
 
 def test_a_broken_numba_falls_back_to_the_torch_ops_with_one_warning(monkeypatch, caplog):
     from hookexp import fused
-    from hookexp.stats import Packed
-
     def broken():
         raise ImportError("numba needs numpy < 2.5\nsecond line")
 
