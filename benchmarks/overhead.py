@@ -195,18 +195,19 @@ def main() -> None:
     def per_repeat(m: str, x: str, y: str) -> list[float]:
         return [tx / ty for tx, ty in zip(times[m][x], times[m][y], strict=True)]
 
-    def table(cell: Callable[[list[float]], str], first: Callable[[str], list[str]]) -> None:
+    def table(cell: Callable[[list[float]], str]) -> None:
+        """One row per model; ``cell`` sums up a list of values: the hand loop's ms/step over the repeats, and
+        each ratio's per-repeat values."""
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for m in names:
-            print("| " + " | ".join([m, *first(m), *(cell(per_repeat(m, x, y)) for x, y in ratios)]) + " |")
+            a_ms = [cell([t * 1e3 for t in times[m]["a"]])] if "a" in ran else []
+            print("| " + " | ".join([m, *a_ms, *(cell(per_repeat(m, x, y)) for x, y in ratios)]) + " |")
 
-    a_ms = (lambda m: [f"{statistics.median(times[m]['a']) * 1e3:.2f}"]) if "a" in ran else (lambda m: [])
-    table(lambda r: f"{statistics.median(r):.2f}", a_ms)
+    table(lambda values: f"{statistics.median(values):.2f}")
     print(f"\nThe lowest and highest per-repeat ratio ({args.repeats} repeats; a ms/step: the fastest and slowest "
           "repeat):\n")
-    spread = (lambda m: [f"{min(times[m]['a']) * 1e3:.2f}-{max(times[m]['a']) * 1e3:.2f}"]) if "a" in ran else a_ms
-    table(lambda r: f"{min(r):.2f}-{max(r):.2f}", spread)
+    table(lambda values: f"{min(values):.2f}-{max(values):.2f}")
 
 
 if __name__ == "__main__":
