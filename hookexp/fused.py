@@ -4,7 +4,7 @@ On the CPU a log step's statistics in torch cost about thirty ops, each a full p
 buffer plus the dispatcher's overhead; on a small model that is more than the training step itself.
 Here one compiled loop per tensor reads each element once for the sums and counts (and once more for
 the exact variance), numpy's SIMD ``reduceat`` gives the minima and maxima, and the histogram counts
-a fixed set of positions: a few tens of microseconds instead of a few hundred.
+a fixed set of positions and writes its bin edges: a few tens of microseconds instead of a few hundred.
 
 Optional (``pip install hookexp[fast]``): without numba :mod:`hookexp.stats` uses its torch ops, which
 give the same numbers. Compiled once per machine (numba's on-disk cache), imported only by a CPU run
@@ -84,10 +84,11 @@ def _kernels() -> tuple[Any, Any]:
             out[t, 6] = negs / m
 
     @numba.njit(cache=True, nogil=True)
-    def histogram(buf, starts, sizes, lo, hi, pos, pos_start, bins, scale, counts, idx):  # pragma: no cover
+    def histogram(buf, starts, sizes, lo, hi, pos, pos_start, bins, scale, counts, edges, idx):  # pragma: no cover
         """counts[t] += scale[t] * the bins (torch.histc's float32 arithmetic) of buf[starts[t] + p] for the positions p
-        in pos[pos_start[t]:pos_start[t + 1]], or of every element of tensor t where that range is empty.
-        A tensor whose range is not finite is skipped: it has no histogram (so no value here is NaN).
+        in pos[pos_start[t]:pos_start[t + 1]], or of every element of tensor t where that range is empty;
+        edges[t] = the bins' edges, as :func:`hookexp.stats.bin_edges` computes them (the same float64 ops).
+        A tensor whose range is not finite is skipped: it has no histogram (its counts stay 0, its edges NaN).
         The bins are found first (a loop that vectorises, into the scratch ``idx``), then counted in four
         interleaved tallies: one tally would wait on itself whenever neighbours share a bin (ReLU zeros)."""
         nb = np.float32(bins)
@@ -95,7 +96,15 @@ def _kernels() -> tuple[Any, Any]:
         for t in range(starts.shape[0]):
             low = lo[t]
             if not (np.isfinite(low) and np.isfinite(hi[t])):
+                edges[t, :] = np.nan
                 continue
+            e_lo, e_hi = np.float64(low), np.float64(hi[t])
+            if e_hi <= e_lo:  # one value: a unit-wide bin range around it
+                e_lo, e_hi = e_lo - 0.5, e_lo + 0.5
+            step = (e_hi - e_lo) / bins
+            for k in range(bins):
+                edges[t, k] = step * k + e_lo
+            edges[t, bins] = e_hi
             width = max(hi[t] - low, np.float32(1e-30))
             x = buf[starts[t]:starts[t] + sizes[t]]
             a, b = pos_start[t], pos_start[t + 1]
@@ -140,17 +149,18 @@ class FusedLayout:
         self.moments, self.histogram = _kernels()
 
     def describe(self, buf: np.ndarray, bins: int) -> np.ndarray:
-        """``[tensors, COLUMNS]`` statistics followed by ``[tensors, bins]`` histogram counts (scaled to the
-        tensor's size where a subset was counted), flat float64."""
+        """``[tensors, COLUMNS]`` statistics, then (``bins`` > 0) ``[tensors, bins]`` histogram counts (scaled to
+        the tensor's size where a subset was counted) and ``[tensors, bins + 1]`` bin edges: flat float64."""
         n = len(self.sizes)
-        out = np.empty(n * (self.COLUMNS + bins))
+        out = np.empty(n * (self.COLUMNS + 2 * bins + 1) if bins > 0 else n * self.COLUMNS)
         table = out[:n * self.COLUMNS].reshape(n, self.COLUMNS)
         self.moments(buf, self.starts, self.sizes, table)
         lo, hi = np.minimum.reduceat(buf, self.starts), np.maximum.reduceat(buf, self.starts)  # SIMD; NaN wins
         table[:, 3], table[:, 4] = lo, hi
         if bins > 0:
-            counts = out[n * self.COLUMNS:].reshape(n, bins)
+            counts = out[n * self.COLUMNS:n * (self.COLUMNS + bins)].reshape(n, bins)
             counts.fill(0.0)
+            edges = out[n * (self.COLUMNS + bins):].reshape(n, bins + 1)
             self.histogram(buf, self.starts, self.sizes, lo, hi, self.pos, self.pos_start, bins, self.scale, counts,
-                           self._idx)
+                           edges, self._idx)
         return out

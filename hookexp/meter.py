@@ -2,8 +2,10 @@
 
 A step only keeps references: its (detached) loss and the argmax of its logits (the one kernel).
 The log step turns them into one small tensor (:meth:`TrainMeter.pending`), which the trainer reads
-together with the statistics in a single transfer. The per-step losses come back too, so the
-non-finite guard can name the first step whose loss was NaN/Inf without a check on every step.
+together with the statistics in a single transfer. On the CPU, where there is nothing to transfer, it
+reads them as host values straight away: building that tensor (and joining it to the statistics) cost a
+CPU log step more torch ops than reading it. The per-step losses come back too, so the non-finite guard
+can name the first step whose loss was NaN/Inf without a check on every step.
 Past ``FOLD`` kept steps (a log period longer than that) the references are folded into a running
 total on the device. Under DDP the pending tensor also carries the totals summed over ranks.
 """
@@ -39,6 +41,8 @@ class TrainMeter:
         self._labels: list[torch.Tensor] = []
         # a new period's carry, made once (never written in place): no copy to the device per log step
         self._fresh = torch.tensor([0.0, 0.0, -1.0], dtype=self._wide).to(device)
+        # on the CPU alone (not under DDP, whose totals are summed as a tensor): pending() gives host values
+        self.host = device.type == "cpu" and all_reduce is None
         self._start(loss_sum, correct, seen, batches)
         self._first_step = first_step  # the step of the period's first batch
 
@@ -84,9 +88,23 @@ class TrainMeter:
         self._carry = torch.stack([local[0] + losses.sum(), local[1] + local[3], first])
         self._drop_kept()
 
-    def pending(self) -> torch.Tensor:
-        """What :meth:`read` decodes (on the device): the local values and, under DDP, first
-        ``[loss sum, correct, batches, seen]`` summed over ranks."""
+    def _local_host(self) -> list[float]:
+        """:meth:`_local`'s values, read on the host (the CPU): the same numbers, in fewer ops."""
+        carry = self._carry.tolist()
+        if not self._losses:
+            return [*carry, 0.0]
+        if len(self._losses) == 1:
+            correct, losses = (self._preds[0] == self._labels[0]).sum().item(), self._losses[0].reshape(-1).tolist()
+        else:
+            correct = (torch.cat(self._preds) == torch.cat(self._labels)).sum().item()
+            losses = torch.stack(self._losses).reshape(-1).tolist()
+        return [*carry, float(correct), *losses]
+
+    def pending(self) -> torch.Tensor | list[float]:
+        """What :meth:`read` decodes: the local values and, under DDP, first ``[loss sum, correct, batches,
+        seen]`` summed over ranks; a tensor on the device, or (where :attr:`host`: the CPU) host values."""
+        if self.host:
+            return self._local_host()
         local = self._local()
         if self._all_reduce is None:
             return local

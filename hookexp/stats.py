@@ -20,8 +20,9 @@ import logging
 import math
 from collections import OrderedDict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from itertools import accumulate, pairwise
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,7 @@ class Packed:
             starts = np.cumsum([0, *sizes[:-1]]).tolist()
             self.width, self.n_rows = 1, sum(sizes)
             self.buffer = torch.empty(self.n_rows, device=device)
+            self._host = self.buffer.numpy()  # the kernels' view of it
             self._starts = starts
             self._fused = fused.FusedLayout(starts, sizes, [None if p is None else p.numpy() for p in picks],
                                             self._hist_scale)
@@ -131,9 +133,10 @@ class Packed:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = {} if small else None
 
     @torch.no_grad()
-    def reduce(self, hist_bins: int = 0) -> torch.Tensor:
+    def reduce(self, hist_bins: int = 0) -> torch.Tensor | np.ndarray:
         """The device half of describing what the slots hold: a flat float64 tensor of per-row sums
-        (and histogram counts) for :meth:`decode`. Row-wise float reductions only: on the CPU they are
+        (and histogram counts) for :meth:`decode`; on a CPU with numba, the kernels' statistics themselves, as
+        the host array they wrote (no torch round trip). Row-wise float reductions only: on the CPU they are
         vectorised and threaded, while scatters over segments and reductions of bool masks are not.
 
         On CUDA, for buffers up to ``GRAPH_MAX_ELEMENTS``, the thirty-odd kernels are captured once per
@@ -142,7 +145,7 @@ class Packed:
         by the next replay.
         """
         if self._fused is not None:
-            return torch.from_numpy(self._fused.describe(self.buffer.numpy(), hist_bins))
+            return self._fused.describe(self._host, hist_bins)
         if self.buffer.device.type != "cuda" or self._graphs is None:
             return self._reduce(hist_bins)
         if hist_bins not in self._graphs:
@@ -216,9 +219,9 @@ class Packed:
         ``[tensors, hist_bins]`` counts over each tensor's [min, max] (as ``torch.histc``; a tensor
         larger than ``hist_sample`` has its counts taken from its fixed subset, scaled to its size)."""
         if self._fused is not None:  # the kernels wrote the statistics themselves
-            width = fused.FusedLayout.COLUMNS
-            return (host[:self.n * width].reshape(self.n, width),
-                    host[self.n * width:].reshape(self.n, hist_bins) if hist_bins > 0 else None)
+            n, width = self.n, fused.FusedLayout.COLUMNS
+            return (host[:n * width].reshape(n, width),
+                    host[n * width:n * (width + hist_bins)].reshape(n, hist_bins) if hist_bins > 0 else None)
         rows = host[:self.n_rows * 8].reshape(self.n_rows, 8)
         starts = self._seg_rows
         sums = rows[:, :5].copy()
@@ -238,6 +241,19 @@ class Packed:
             return table, None
         counts = host[self.n_rows * 8:].reshape(self.n, hist_bins)
         return table, counts if self._hist_pos is None else counts * self._hist_scale[:, None]
+
+    def kernel_edges(self, host: np.ndarray, hist_bins: int) -> np.ndarray | None:
+        """``[tensors, hist_bins + 1]`` bin edges as the kernels wrote them (rows of ranges that are not finite:
+        NaN); None where the torch ops described the buffer (:func:`bin_edges` makes them from the table)."""
+        if self._fused is None or hist_bins <= 0:
+            return None
+        n = self.n
+        return host[n * (fused.FusedLayout.COLUMNS + hist_bins):].reshape(n, hist_bins + 1)
+
+
+def _global_norm(norms: list[float]) -> float:
+    """The norm of all the gradients together, from each one's norm (an exactly rounded sum of squares)."""
+    return math.sqrt(math.fsum(v * v for v in norms))
 
 
 def bin_edges(lo: np.ndarray, hi: np.ndarray, bins: int) -> np.ndarray:
@@ -265,6 +281,34 @@ def _count(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.bincount(index, minlength=size).to(dtype)
     ones = torch.ones(index.shape, device=index.device, dtype=dtype)
     return torch.zeros(size, device=index.device, dtype=dtype).index_add_(0, index, ones)
+
+
+def _read(reduced: torch.Tensor | np.ndarray | None, extra: tuple[torch.Tensor | list[float] | None, ...],
+          join: bool | None = None) -> tuple[np.ndarray | None, list[list[float]]]:
+    """``reduced`` and every ``extra`` tensor read back to the host, as floats: joined into one tensor and
+    moved in one transfer from a device; on the CPU, where nothing moves, each read as it lies (joining them
+    would cost a copy and a conversion per tensor, for nothing). What is on the host already (``reduced`` as
+    an array, ``extra`` lists) passes as it is. ``join`` forces one way or the other (tests compare them); by
+    default only a device joins."""
+    stats_host = reduced if isinstance(reduced, np.ndarray) else None
+    on_device = reduced if isinstance(reduced, torch.Tensor) else None
+    given = [t for t in extra if isinstance(t, torch.Tensor)]
+    parts = ([on_device] if on_device is not None else []) + given
+    if join is None:
+        join = any(p.device.type != "cpu" for p in parts)
+    if join and parts:
+        device = parts[0].device
+        joined = torch.cat([p.detach().reshape(-1).to(device, wide_dtype(device)) for p in parts])
+        chunks = np.split(joined.cpu().numpy(), list(accumulate(p.numel() for p in parts[:-1])))  # the one transfer
+        if on_device is not None:
+            stats_host = chunks.pop(0)
+        host = iter(c.tolist() for c in chunks)
+    else:
+        if on_device is not None:
+            stats_host = on_device.numpy()
+        host = iter(t.reshape(-1).tolist() if t.is_floating_point() else [float(v) for v in t.reshape(-1).tolist()]
+                    for t in given)
+    return stats_host, [[] if t is None else t if isinstance(t, list) else next(host) for t in extra]
 
 
 class _Layouts:
@@ -310,19 +354,81 @@ class GradStatsResult:
         return out
 
 
-@dataclass
 class StepStatsResult:
-    """Everything :class:`StepStats` read back on one log step."""
+    """Everything :class:`StepStats` read back on one log step: the statistics table and histogram counts
+    as the description left them, and the ``extra`` values given to :meth:`StepStats.finish`.
 
-    grads: GradStatsResult | None
-    activations: dict[str, float]  # act/<module>/<stat>
-    act_hists: dict[str, tuple[list[float], float, float]]  # module -> (counts, lo, hi)
-    extra: list[list[float]]  # the values of each ``extra`` tensor given to finish (None: [])
-    hist_rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # see histograms()
+    The trainer asks for :meth:`metrics` and :meth:`histograms` alone, each built in a few calls from the
+    table; the per-tensor views (:attr:`grads`, :attr:`activations`, :attr:`act_hists`) are built the first
+    time they are asked for: on a CPU log step of a small model every list and dict built here counts.
+    """
+
+    def __init__(self, extra: list[list[float]], table: np.ndarray | None = None, hist: np.ndarray | None = None,
+                 names: _Names | None = None, hist_bins: int = 0, edges: np.ndarray | None = None):
+        self.extra = extra  # the values of each ``extra`` given to finish (None: [])
+        self._table, self._hist, self._names, self._bins = table, hist, names, hist_bins
+        self._edges = edges  # the kernels' bin edges (None: made from the table when asked)
+
+    @cached_property
+    def grads(self) -> GradStatsResult | None:
+        names = self._names
+        if names is None or not names.grads:
+            return None
+        values = self._table[names.grad_rows].tolist()
+        hist = self._hist[names.grad_rows].tolist() if self._hist is not None else None
+        return GradStatsResult(list(names.grads), values, _global_norm([row[_COL["norm"]] for row in values]),
+                               names.grad_keys, hist)
+
+    @cached_property
+    def activations(self) -> dict[str, float]:
+        """``act/<module>/<stat>`` -> value."""
+        names = self._names
+        if names is None or not names.acts:
+            return {}
+        values = self._table[names.act_rows][:, _ACT_COLS].ravel().tolist()
+        return dict(zip(names.flat_act_keys, values, strict=True))
+
+    @cached_property
+    def act_hists(self) -> dict[str, tuple[list[float], float, float]]:
+        """module -> (counts, lo, hi)."""
+        names = self._names
+        if names is None or not names.acts or self._hist is None:
+            return {}
+        a = self._table[names.act_rows]
+        return {n: (h, lo, hi) for n, h, lo, hi in zip(names.acts, self._hist[names.act_rows].tolist(),
+                                                       a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
+                                                       strict=True)}
 
     def metrics(self) -> dict[str, float]:
-        """Every statistic under its metric key (``act/...``, ``grad/...``, ``grad/global_norm``)."""
-        return {**self.activations, **(self.grads.metrics() if self.grads is not None else {})}
+        """Every statistic under its metric key (``act/...``, ``grad/...``, ``grad/global_norm``): the table's
+        values taken in one call and zipped with the layout's keys, made once."""
+        names = self._names
+        if names is None:
+            return {}
+        values = self._table.take(names.flat_index).tolist()
+        out = dict(zip(names.flat_keys, values, strict=True))
+        if names.grads:
+            out["grad/global_norm"] = _global_norm(values[names.norms])
+        return out
+
+    @cached_property
+    def _hist_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        if self._hist is None:
+            return {}
+        # rows of numpy arrays, not lists: orjson and W&B take them as they are, and a log step of a deep
+        # model has thousands of counts and edges
+        ranges = self._table[:, _COL["min"]:_COL["max"] + 1]
+        finite = np.isfinite(ranges)
+        all_finite = bool(finite.all())
+        edges = self._edges
+        if edges is None:
+            # (inf - inf for the ranges that are then left out; np.errstate costs more than the edges, so only then)
+            with nullcontext() if all_finite else np.errstate(invalid="ignore"):
+                edges = bin_edges(ranges[:, 0], ranges[:, 1], self._bins)
+        rows = zip(self._names.hist_keys, self._hist, edges, strict=True)
+        if all_finite:
+            return {k: (c, e) for k, c, e in rows}
+        return {k: (c, e) for (k, c, e), ok in zip(rows, finite.all(axis=1).tolist(), strict=True) if ok}
 
     def histograms(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, bin edges) as float64 arrays, as every
@@ -330,7 +436,7 @@ class StepStatsResult:
 
         A tensor holding NaN or Inf has no finite range to bin: it has no histogram on that step (its
         ``min``/``max`` statistics say why), rather than one with NaN edges."""
-        return self.hist_rows
+        return self._hist_rows
 
 
 class StepStats:
@@ -431,9 +537,10 @@ class StepStats:
 
     # -- describing --------------------------------------------------------------------------------
     @torch.no_grad()
-    def finish(self, *extra: torch.Tensor | None) -> StepStatsResult:
+    def finish(self, *extra: torch.Tensor | list[float] | None) -> StepStatsResult:
         """Remove the activation hooks, describe what was collected, and read it back together with
-        the ``extra`` tensors (any, flattened; None reads as []) in one transfer."""
+        the ``extra`` values (tensors of any shape, flattened; host values as they are; None reads as [])
+        in one transfer."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -450,47 +557,12 @@ class StepStats:
             stale = [(slot, t) for slot, t in zip(packed.slots, tensors, strict=True) if slot is not t]
             if stale:
                 torch._foreach_copy_([s for s, _ in stale], [t for _, t in stale])
-        parts = [packed.reduce(self.hist_bins)] if packed is not None else []
-        given = [t for t in extra if t is not None]
-        device = parts[0].device if parts else given[0].device if given else None
-        parts += [t.detach().reshape(-1).to(device, wide_dtype(device)) for t in given]
-        host = torch.cat(parts).cpu().numpy() if parts else np.empty(0)  # the one transfer
-        offsets = list(accumulate((p.numel() for p in parts), initial=0))
-        chunks = [host[a:b] for a, b in pairwise(offsets)]
-        stats_host = chunks.pop(0) if packed is not None else None
-        values = iter(c.tolist() for c in chunks)
-        result = StepStatsResult(None, {}, {}, [next(values) if t is not None else [] for t in extra])
+        stats_host, values = _read(packed.reduce(self.hist_bins) if packed is not None else None, extra)
         if packed is None:
-            return result
+            return StepStatsResult(values)
         table, hist = packed.decode(stats_host, self.hist_bins)
-        names = self._names(keys)
-        if names.grads:
-            g = table[names.grad_rows]
-            result.grads = GradStatsResult(
-                list(names.grads), g.tolist(), math.sqrt(float(np.square(g[:, _COL["norm"]]).sum())), names.grad_keys,
-                hist[names.grad_rows].tolist() if hist is not None else None)
-        if names.acts:
-            a = table[names.act_rows]
-            values = a[:, _ACT_COLS].tolist()
-            result.activations = {k: v for ks, row in zip(names.act_keys, values, strict=True)
-                                  for k, v in zip(ks, row, strict=True)}
-            if hist is not None:
-                result.act_hists = {n: (h, lo, hi) for n, h, lo, hi in zip(
-                    names.acts, hist[names.act_rows].tolist(), a[:, _COL["min"]].tolist(), a[:, _COL["max"]].tolist(),
-                    strict=True)}
-        if hist is not None:  # every histogram with a finite range, with its edges: what the sinks log
-            # (rows of numpy arrays, not lists: orjson and W&B take them as they are, and a log step of a deep
-            # model has thousands of counts and edges)
-            lo, hi = table[:, _COL["min"]], table[:, _COL["max"]]
-            finite = np.isfinite(lo) & np.isfinite(hi)
-            all_finite = bool(finite.all())
-            # (inf - inf for the ranges that are then left out; np.errstate costs more than the edges, so only then)
-            with nullcontext() if all_finite else np.errstate(invalid="ignore"):
-                edges = bin_edges(lo, hi, self.hist_bins)
-            rows = zip(names.hist_keys, hist, edges, strict=True)
-            result.hist_rows = ({k: (c, e) for k, c, e in rows} if all_finite else
-                                {k: (c, e) for (k, c, e), ok in zip(rows, finite.tolist(), strict=True) if ok})
-        return result
+        return StepStatsResult(values, table, hist, self._names(keys), self.hist_bins,
+                               packed.kernel_edges(stats_host, self.hist_bins))
 
     def _names(self, keys: tuple[tuple[str, str], ...]) -> _Names:
         names = self._keys.get(keys)
@@ -517,6 +589,15 @@ class _Names:
         self.acts = [n for kind, n in keys if kind == "act"]
         self.grad_keys = [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.grads]
         self.act_keys = [[f"act/{n}/{s}" for s in ACT_STATS] for n in self.acts]
+        # StepStatsResult.metrics: every metric's position in the [tensors, GRAD_STATS] table, and its key
+        acts = [i for i, (kind, _) in enumerate(keys) if kind == "act"]
+        grads = [i for i, (kind, _) in enumerate(keys) if kind == "grad"]
+        width = len(GRAD_STATS)
+        self.flat_index = np.asarray([i * width + c for i in acts for c in _ACT_COLS] +
+                                     [i * width + c for i in grads for c in range(width)], dtype=np.int64)
+        self.flat_act_keys = [k for ks in self.act_keys for k in ks]
+        self.flat_keys = self.flat_act_keys + [k for ks in self.grad_keys for k in ks]
+        self.norms = slice(len(self.flat_act_keys) + _COL["norm"], None, width)  # the gradient norms among them
         self.hist_keys = [f"{kind}/{n}/hist" for kind, n in keys]  # in the table's row order
 
 

@@ -1,5 +1,8 @@
 """TrainMeter: the loss and accuracy a log step reads, against hand-computed values, for one batch since the
-last log step, several, more than FOLD (folded on the device), a non-finite loss, and a resumed carry."""
+last log step, several, more than FOLD (folded on the device), a non-finite loss, and a resumed carry.
+
+Every test runs both readings: the device's (one float64 tensor for the log step's single transfer) and
+the CPU's (host values straight away); both must give the same numbers."""
 
 from __future__ import annotations
 
@@ -21,13 +24,31 @@ BATCHES = [
 CORRECT = [2, 2, 2, 0, 2]
 
 
+@pytest.fixture(autouse=True, params=["device", "host"])
+def reading(request, monkeypatch):
+    """Which reading :meth:`TrainMeter.pending` gives: the device tensor (what a GPU takes), or host values."""
+    init = TrainMeter.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        assert self.host  # the CPU without DDP reads on the host by itself
+        self.host = request.param == "host"
+
+    monkeypatch.setattr(TrainMeter, "__init__", patched)
+    return request.param
+
+
 def period(meter: TrainMeter, batches: list, first_step: int) -> tuple[float, float, int | None]:
     """Add ``batches`` as the steps from ``first_step`` on, then read them as a log step does."""
     for i, (loss, logits, labels) in enumerate(batches):
         meter.add(first_step + i, torch.tensor(loss), torch.tensor(logits), torch.tensor(labels))
     pending = meter.pending()
-    assert pending.dtype == torch.float64
-    return meter.read(pending.tolist())
+    if meter.host:
+        assert isinstance(pending, list) and all(type(v) is float for v in pending)
+    else:
+        assert pending.dtype == torch.float64
+        pending = pending.tolist()
+    return meter.read(pending)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])

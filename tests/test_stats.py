@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookexp.stats import GRAD_STATS, ActivationStats, GradStats, Packed, StepStats, bin_edges
+from hookexp.stats import GRAD_STATS, ActivationStats, GradStats, Packed, StepStats, _read, bin_edges
 
 
 def reference(g: torch.Tensor) -> list[float]:
@@ -77,7 +77,7 @@ def test_a_tensor_without_a_finite_range_has_no_histogram(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the ranges left out warn nothing either
         result = stats.finish()
-    hists = {k: (c.tolist(), e.tolist()) for k, (c, e) in result.histograms().items()}
+        hists = {k: (c.tolist(), e.tolist()) for k, (c, e) in result.histograms().items()}
     assert hists == {"grad/ok/hist": ([1.0, 2.0], [1.0, 2.0, 3.0])}  # NaN/Inf: their min/max statistics say why
 
 
@@ -171,8 +171,8 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(d
     out = m(torch.randn(8, 3, device=device))
     out.sum().backward()
     stats.capture_grads()
-    read = stats.finish(torch.tensor([1.5, 2.5], device=device), None, torch.tensor([7], device=device))
-    assert read.extra == [[1.5, 2.5], [], [7.0]]
+    read = stats.finish(torch.tensor([1.5, 2.5], device=device), None, torch.tensor([7], device=device), [0.25])
+    assert read.extra == [[1.5, 2.5], [], [7.0], [0.25]] and type(read.extra[2][0]) is float
     assert read.grads.names == ["0.weight"] and read.grads.values[0] == pytest.approx(reference(m[0].weight.grad))
     assert read.activations["act/1/mean"] == pytest.approx(out.mean().item())
     assert sum(read.act_hists["1"][0]) == 16 and sum(read.grads.hist[0]) == 6
@@ -184,6 +184,19 @@ def test_one_step_reads_gradients_activations_and_extra_values_in_one_transfer(d
     assert hists == {"act/1/hist": (read.act_hists["1"][0], [a_lo, (a_lo + a_hi) / 2, a_hi]),
                      "grad/0.weight/hist": (read.grads.hist[0], [g_lo, (g_lo + g_hi) / 2, g_hi])}
     assert not m[1]._forward_hooks
+
+
+@pytest.mark.parametrize("with_stats", [True, False])
+def test_reading_joined_for_one_transfer_and_reading_each_where_it_lies_give_the_same_values(with_stats):
+    reduced = torch.tensor([0.1, -2.0, 3.5], dtype=torch.float64) if with_stats else None
+    extra = (torch.tensor([[1.5, float("nan")], [float("inf"), 0.1]]), None, torch.tensor([3, -1]), [0.5, 2.0],
+             torch.tensor(0.2, dtype=torch.bfloat16))
+    want = [[1.5, math.nan, math.inf, float(torch.tensor(0.1))], [], [3.0, -1.0], [0.5, 2.0], [0.2001953125]]
+    for join in (True, False):
+        stats_host, values = _read(reduced, extra, join=join)
+        assert stats_host is None if reduced is None else stats_host.tolist() == reduced.tolist()
+        assert [[str(v) for v in row] for row in values] == [[str(v) for v in row] for row in want], join
+        assert all(type(v) is float for row in values for v in row), join
 
 
 def test_gradients_are_read_afresh_every_step_and_a_missing_one_is_skipped(device):
@@ -217,11 +230,21 @@ def test_fused_cpu_kernels_equal_the_torch_ops(monkeypatch, hist_sample):
         packed = Packed([t.shape for t in tensors], torch.device("cpu"), hist_sample)
         assert (packed._fused is not None) == enabled
         torch._foreach_copy_(packed.slots, tensors)
-        out[enabled] = packed.decode(packed.reduce(8).numpy(), 8)
-    (table, counts), (ref_table, ref_counts) = out[True], out[False]
+        host = packed.reduce(8)
+        assert isinstance(host, np.ndarray) == enabled  # the kernels' own array: no torch round trip
+        host = host if enabled else host.numpy()
+        out[enabled] = (*packed.decode(host, 8), packed.kernel_edges(host, 8))
+        if enabled:  # 10 bins too: a width (hi - lo) / 10 is rounded, so only the same float64 ops give the same edges
+            ten = packed.reduce(10)
+            ten_table, ten_edges = packed.decode(ten, 10)[0], packed.kernel_edges(ten, 10)
+    (table, counts, edges), (ref_table, ref_counts, no_edges) = out[True], out[False]
     np.testing.assert_allclose(table, ref_table, rtol=2e-6, atol=0, equal_nan=True)
     finite = np.isfinite(table[:, 3]) & np.isfinite(table[:, 4])  # ranges with NaN/Inf are not logged
     assert finite.sum() == 5 and (counts[finite] == ref_counts[finite]).all()  # the same bins, element for element
+    # the kernels' bin edges are bin_edges' to the last bit (zeros(5): a one-value range), NaN where not finite
+    assert no_edges is None and edges.shape == (len(tensors), 9)
+    assert (edges[finite] == bin_edges(table[finite, 3], table[finite, 4], 8)).all() and np.isnan(edges[~finite]).all()
+    assert (ten_edges[finite] == bin_edges(ten_table[finite, 3], ten_table[finite, 4], 10)).all()
     for t, row in zip(tensors, table, strict=True):  # and both equal torch itself
         if torch.isfinite(t).all():
             assert all(close(a, b) for a, b in zip(row, reference(t), strict=True)), (row, reference(t))
