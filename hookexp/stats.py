@@ -7,7 +7,8 @@ width]``: each tensor fills whole rows, the tail of its last row is padding, and
 row-wise reduction over the whole buffer on the device and a combine of rows into tensors on the host:
 about thirty kernels whatever the number of tensors (on CUDA one replay of a CUDA graph of them). On
 a CPU with numba the tensors lie back to back and :mod:`hookexp.fused` describes each in one compiled
-pass, which costs a fraction of thirty torch ops there.
+pass, which costs a fraction of thirty torch ops there; and on the CPU, where nothing moves, what a log
+step reads is read where it lies (:func:`_read`), with no joining copy.
 
 Gradients are copied in right before ``optimizer.step()``; activations by a forward hook that
 exists only during log steps (``begin`` attaches, ``finish`` removes). Nothing here runs, and
