@@ -68,16 +68,28 @@ class TrainMeter:
         if len(self._losses) >= self.FOLD:
             self._fold()
 
-    def _local(self) -> torch.Tensor:
+    def _kept(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept steps' correct count and their losses (None: no step kept since the last read or fold)."""
         if not self._losses:
-            return torch.cat([self._carry, self._carry.new_zeros(1)])
-        # (torch.cat promotes the int64 count and float32 losses to the carry's dtype: no conversion op; one
-        # batch since the last log step, the usual case, costs no cat or stack of its own)
+            return None
+        # one batch since the last log step, the usual case, costs no cat or stack of its own
         if len(self._losses) == 1:
-            correct, losses = (self._preds[0] == self._labels[0]).sum(), self._losses[0]
-        else:
-            correct, losses = (torch.cat(self._preds) == torch.cat(self._labels)).sum(), torch.stack(self._losses)
-        return torch.cat([self._carry, correct.reshape(1), losses.reshape(-1)])
+            return (self._preds[0] == self._labels[0]).sum(), self._losses[0]
+        return (torch.cat(self._preds) == torch.cat(self._labels)).sum(), torch.stack(self._losses)
+
+    def _local(self) -> torch.Tensor:
+        kept = self._kept()
+        if kept is None:
+            return torch.cat([self._carry, self._carry.new_zeros(1)])
+        # (torch.cat promotes the int64 count and float32 losses to the carry's dtype: no conversion op)
+        return torch.cat([self._carry, kept[0].reshape(1), kept[1].reshape(-1)])
+
+    def _local_host(self) -> list[float]:
+        """:meth:`_local`'s values, read on the host (the CPU): the same numbers, without building a tensor."""
+        kept = self._kept()
+        if kept is None:
+            return [*self._carry.tolist(), 0.0]
+        return [*self._carry.tolist(), float(kept[0].item()), *kept[1].reshape(-1).tolist()]
 
     def _fold(self) -> None:
         local = self._local()
@@ -87,18 +99,6 @@ class TrainMeter:
         first = torch.where(local[2] >= 0, local[2], torch.where(first_bad.isfinite(), first_bad, -1.0))
         self._carry = torch.stack([local[0] + losses.sum(), local[1] + local[3], first])
         self._drop_kept()
-
-    def _local_host(self) -> list[float]:
-        """:meth:`_local`'s values, read on the host (the CPU): the same numbers, in fewer ops."""
-        carry = self._carry.tolist()
-        if not self._losses:
-            return [*carry, 0.0]
-        if len(self._losses) == 1:
-            correct, losses = (self._preds[0] == self._labels[0]).sum().item(), self._losses[0].reshape(-1).tolist()
-        else:
-            correct = (torch.cat(self._preds) == torch.cat(self._labels)).sum().item()
-            losses = torch.stack(self._losses).reshape(-1).tolist()
-        return [*carry, float(correct), *losses]
 
     def pending(self) -> torch.Tensor | list[float]:
         """What :meth:`read` decodes: the local values and, under DDP, first ``[loss sum, correct, batches,

@@ -365,9 +365,9 @@ class StepStatsResult:
     """
 
     def __init__(self, extra: list[list[float]], table: np.ndarray | None = None, hist: np.ndarray | None = None,
-                 names: _Names | None = None, hist_bins: int = 0, edges: np.ndarray | None = None):
+                 names: _Names | None = None, edges: np.ndarray | None = None):
         self.extra = extra  # the values of each ``extra`` given to finish (None: [])
-        self._table, self._hist, self._names, self._bins = table, hist, names, hist_bins
+        self._table, self._hist, self._names = table, hist, names
         self._edges = edges  # the kernels' bin edges (None: made from the table when asked)
 
     @cached_property
@@ -386,7 +386,7 @@ class StepStatsResult:
         names = self._names
         if names is None or not names.acts:
             return {}
-        values = self._table[names.act_rows][:, _ACT_COLS].ravel().tolist()
+        values = self._table.take(names.flat_index[:len(names.flat_act_keys)]).tolist()  # metrics' first keys
         return dict(zip(names.flat_act_keys, values, strict=True))
 
     @cached_property
@@ -412,12 +412,15 @@ class StepStatsResult:
             out["grad/global_norm"] = _global_norm(values[names.norms])
         return out
 
-    @cached_property
-    def _hist_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def histograms(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, bin edges) as float64 arrays, as every
+        sink logs them (numpy rows, not lists: orjson and W&B take them as they are, and a log step of a deep
+        model has thousands of counts and edges).
+
+        A tensor holding NaN or Inf has no finite range to bin: it has no histogram on that step (its
+        ``min``/``max`` statistics say why), rather than one with NaN edges."""
         if self._hist is None:
             return {}
-        # rows of numpy arrays, not lists: orjson and W&B take them as they are, and a log step of a deep
-        # model has thousands of counts and edges
         ranges = self._table[:, _COL["min"]:_COL["max"] + 1]
         finite = np.isfinite(ranges)
         all_finite = bool(finite.all())
@@ -425,19 +428,11 @@ class StepStatsResult:
         if edges is None:
             # (inf - inf for the ranges that are then left out; np.errstate costs more than the edges, so only then)
             with nullcontext() if all_finite else np.errstate(invalid="ignore"):
-                edges = bin_edges(ranges[:, 0], ranges[:, 1], self._bins)
+                edges = bin_edges(ranges[:, 0], ranges[:, 1], self._hist.shape[1])
         rows = zip(self._names.hist_keys, self._hist, edges, strict=True)
         if all_finite:
             return {k: (c, e) for k, c, e in rows}
         return {k: (c, e) for (k, c, e), ok in zip(rows, finite.all(axis=1).tolist(), strict=True) if ok}
-
-    def histograms(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """``act/<module>/hist`` and ``grad/<name>/hist`` -> (counts, bin edges) as float64 arrays, as every
-        sink logs them.
-
-        A tensor holding NaN or Inf has no finite range to bin: it has no histogram on that step (its
-        ``min``/``max`` statistics say why), rather than one with NaN edges."""
-        return self._hist_rows
 
 
 class StepStats:
@@ -562,8 +557,7 @@ class StepStats:
         if packed is None:
             return StepStatsResult(values)
         table, hist = packed.decode(stats_host, self.hist_bins)
-        return StepStatsResult(values, table, hist, self._names(keys), self.hist_bins,
-                               packed.kernel_edges(stats_host, self.hist_bins))
+        return StepStatsResult(values, table, hist, self._names(keys), packed.kernel_edges(stats_host, self.hist_bins))
 
     def _names(self, keys: tuple[tuple[str, str], ...]) -> _Names:
         names = self._keys.get(keys)
@@ -572,27 +566,19 @@ class StepStats:
         return names
 
 
-def _rows(rows: list[int]) -> slice | np.ndarray:
-    """Rows of a table as a slice when they are consecutive (a view, and faster than a mask)."""
-    if rows and rows == list(range(rows[0], rows[-1] + 1)):
-        return slice(rows[0], rows[-1] + 1)
-    return np.asarray(rows, dtype=np.int64)
-
-
 class _Names:
     """What a layout's keys mean on the host: which rows are gradients, their names and metric keys
     (built once per layout, not on every log step)."""
 
     def __init__(self, keys: tuple[tuple[str, str], ...]):
-        self.grad_rows = _rows([i for i, (kind, _) in enumerate(keys) if kind == "grad"])
-        self.act_rows = _rows([i for i, (kind, _) in enumerate(keys) if kind == "act"])
+        grads = [i for i, (kind, _) in enumerate(keys) if kind == "grad"]
+        acts = [i for i, (kind, _) in enumerate(keys) if kind == "act"]
+        self.grad_rows, self.act_rows = np.asarray(grads, dtype=np.int64), np.asarray(acts, dtype=np.int64)
         self.grads = [n for kind, n in keys if kind == "grad"]
         self.acts = [n for kind, n in keys if kind == "act"]
         self.grad_keys = [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.grads]
         self.act_keys = [[f"act/{n}/{s}" for s in ACT_STATS] for n in self.acts]
         # StepStatsResult.metrics: every metric's position in the [tensors, GRAD_STATS] table, and its key
-        acts = [i for i, (kind, _) in enumerate(keys) if kind == "act"]
-        grads = [i for i, (kind, _) in enumerate(keys) if kind == "grad"]
         width = len(GRAD_STATS)
         self.flat_index = np.asarray([i * width + c for i in acts for c in _ACT_COLS] +
                                      [i * width + c for i in grads for c in range(width)], dtype=np.int64)
