@@ -149,18 +149,26 @@ class FusedLayout:
         self.moments, self.histogram = _kernels()
 
     def describe(self, buf: np.ndarray, bins: int) -> np.ndarray:
-        """``[tensors, COLUMNS]`` statistics, then (``bins`` > 0) ``[tensors, bins]`` histogram counts (scaled to
-        the tensor's size where a subset was counted) and ``[tensors, bins + 1]`` bin edges: flat float64."""
+        """The statistics, counts and edges of :meth:`split`, as one flat float64 array (the counts scaled to the
+        tensor's size where a subset was counted)."""
         n = len(self.sizes)
         out = np.empty(n * (self.COLUMNS + 2 * bins + 1) if bins > 0 else n * self.COLUMNS)
-        table = out[:n * self.COLUMNS].reshape(n, self.COLUMNS)
+        table, counts, edges = self.split(out, n, bins)
         self.moments(buf, self.starts, self.sizes, table)
         lo, hi = np.minimum.reduceat(buf, self.starts), np.maximum.reduceat(buf, self.starts)  # SIMD; NaN wins
         table[:, 3], table[:, 4] = lo, hi
         if bins > 0:
-            counts = out[n * self.COLUMNS:n * (self.COLUMNS + bins)].reshape(n, bins)
             counts.fill(0.0)
-            edges = out[n * (self.COLUMNS + bins):].reshape(n, bins + 1)
             self.histogram(buf, self.starts, self.sizes, lo, hi, self.pos, self.pos_start, bins, self.scale, counts,
                            edges, self._idx)
         return out
+
+    @classmethod
+    def split(cls, out: np.ndarray, n: int, bins: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """:meth:`describe`'s flat result as views: ``[n, COLUMNS]`` statistics, then (``bins`` > 0, else None)
+        ``[n, bins]`` histogram counts and ``[n, bins + 1]`` bin edges."""
+        table = out[:n * cls.COLUMNS].reshape(n, cls.COLUMNS)
+        if bins <= 0:
+            return table, None, None
+        return (table, out[n * cls.COLUMNS:n * (cls.COLUMNS + bins)].reshape(n, bins),
+                out[n * (cls.COLUMNS + bins):].reshape(n, bins + 1))

@@ -220,9 +220,7 @@ class Packed:
         ``[tensors, hist_bins]`` counts over each tensor's [min, max] (as ``torch.histc``; a tensor
         larger than ``hist_sample`` has its counts taken from its fixed subset, scaled to its size)."""
         if self._fused is not None:  # the kernels wrote the statistics themselves
-            n, width = self.n, fused.FusedLayout.COLUMNS
-            return (host[:n * width].reshape(n, width),
-                    host[n * width:n * (width + hist_bins)].reshape(n, hist_bins) if hist_bins > 0 else None)
+            return fused.FusedLayout.split(host, self.n, hist_bins)[:2]
         rows = host[:self.n_rows * 8].reshape(self.n_rows, 8)
         starts = self._seg_rows
         sums = rows[:, :5].copy()
@@ -246,10 +244,7 @@ class Packed:
     def kernel_edges(self, host: np.ndarray, hist_bins: int) -> np.ndarray | None:
         """``[tensors, hist_bins + 1]`` bin edges as the kernels wrote them (rows of ranges that are not finite:
         NaN); None where the torch ops described the buffer (:func:`bin_edges` makes them from the table)."""
-        if self._fused is None or hist_bins <= 0:
-            return None
-        n = self.n
-        return host[n * (fused.FusedLayout.COLUMNS + hist_bins):].reshape(n, hist_bins + 1)
+        return fused.FusedLayout.split(host, self.n, hist_bins)[2] if self._fused is not None else None
 
 
 def _global_norm(norms: list[float]) -> float:
@@ -577,12 +572,11 @@ class _Names:
         self.grads = [n for kind, n in keys if kind == "grad"]
         self.acts = [n for kind, n in keys if kind == "act"]
         self.grad_keys = [[f"grad/{n}/{s}" for s in GRAD_STATS] for n in self.grads]
-        self.act_keys = [[f"act/{n}/{s}" for s in ACT_STATS] for n in self.acts]
         # StepStatsResult.metrics: every metric's position in the [tensors, GRAD_STATS] table, and its key
         width = len(GRAD_STATS)
         self.flat_index = np.asarray([i * width + c for i in acts for c in _ACT_COLS] +
                                      [i * width + c for i in grads for c in range(width)], dtype=np.int64)
-        self.flat_act_keys = [k for ks in self.act_keys for k in ks]
+        self.flat_act_keys = [f"act/{n}/{s}" for n in self.acts for s in ACT_STATS]
         self.flat_keys = self.flat_act_keys + [k for ks in self.grad_keys for k in ks]
         self.norms = slice(len(self.flat_act_keys) + _COL["norm"], None, width)  # the gradient norms among them
         self.hist_keys = [f"{kind}/{n}/hist" for kind, n in keys]  # in the table's row order
