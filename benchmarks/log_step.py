@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from itertools import pairwise
-from pathlib import Path
 
-from overhead import MODELS, compose_cfg  # this script's folder is on sys.path when it is run
+from overhead import MODELS, stats_all, trainer_loop  # this script's folder is on sys.path when it is run
 
 import hookexp.train
-from hookexp.train import train
 
 ENDS: list[float] = []  # perf_counter at the end of every step of the current run
 
@@ -49,9 +46,7 @@ class StepClock:
 
 def run(overrides: list[str], steps: int, every: int, skip: int) -> tuple[float, float]:
     """Median ms of the log steps and of the other steps (the first ``skip`` steps left out)."""
-    cfg = compose_cfg([*overrides, f"trainer.max_steps={steps}", "trainer.epochs=1000", f"stats.every={every}"])
-    with tempfile.TemporaryDirectory() as tmp:
-        train(cfg, Path(tmp))
+    trainer_loop(overrides, steps, [f"stats.every={every}"])
     times = [(b - a) * 1e3 for a, b in pairwise(ENDS)]  # times[i]: step i + 1
     log = [t for i, t in enumerate(times, 1) if i >= skip and i % every == 0 and i != steps - 1]
     other = [t for i, t in enumerate(times, 1) if i >= skip and i % every != 0 and i != steps - 1]
@@ -72,7 +67,7 @@ def main() -> None:
         model, activations = MODELS[name]
         variants = {
             "off": [*model, "stats.grads=null"],
-            "all": [*model, "stats.grads=*", f"stats.activations={activations}", "stats.hist_bins=32"],
+            "all": [*model, *stats_all(activations)],
         }
         run(variants["all"], 60, args.every, 10)  # warm-up: numba's kernels, torch's lazy set-up
         for r in range(args.runs):

@@ -121,16 +121,24 @@ def clamp_by_hand(model, opt):
 
 
 STATS_OFF = ["stats.grads=null", "stats.every=1000000000"]
+
+
+def stats_all(activations: str) -> list[str]:
+    """Case c's statistics: every gradient statistic and the activation statistics of ``activations``, each
+    with a 32-bin histogram."""
+    return ["stats.grads=*", f"stats.activations={activations}", "stats.hist_bins=32"]
+
+
 def cases(model: list[str], activations: str, steps: int) -> dict[str, Callable[[], float]]:
-    stats_all = ["stats.grads=*", f"stats.activations={activations}", "stats.hist_bins=32"]
+    every_stat = stats_all(activations)
     fns: dict[str, Callable[[int], float]] = {
         "a": lambda n: hand_loop(model, n),
         "b": lambda n: trainer_loop(model, n, STATS_OFF),
-        "c": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1"]),
-        "c_g": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "stats.activations=null"]),
-        "c_x": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "stats.hist_sample=null"]),
-        "d": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=10"]),
-        "c_wb": lambda n: trainer_loop(model, n, [*stats_all, "stats.every=1", "logger=wandb"]),
+        "c": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1"]),
+        "c_g": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.activations=null"]),
+        "c_x": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.hist_sample=null"]),
+        "d": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=10"]),
+        "c_wb": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "logger=wandb"]),
         "e": lambda n: hand_loop(model, n, wandb_freq=1),
         "f": lambda n: hand_loop(model, n, wandb_freq=10),
         "g_grad": lambda n: hand_loop(model, n, clamp_via("grad")),
