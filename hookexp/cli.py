@@ -1,8 +1,10 @@
 """``python -m hookexp`` / ``hookexp``: the Hydra entry point.
 
 Hydra composes ``conf/`` (shipped inside the package as ``hookexp.conf``) with the command line; this
-module turns the composed config into a run. A mistake hookexp detects (a bad hook spec, a bad
-argument) is printed as one paragraph and the process exits with status 2 before training.
+module checks the composed config, claims the run directory and hands the config to the run layer. A
+mistake hookexp detects is printed as one paragraph and the process exits with status 2; a launch that
+fails before training leaves no run directory behind. Nothing here imports torch until a run starts, so
+``--help`` answers at once.
 
 In a multirun (``-m``) a job that raises does not stop the sweep: its error goes to ``failure.json``
 in its job directory, the sweeper gets NaN (Optuna counts the trial as failed), and when the sweep
@@ -19,7 +21,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,20 +29,28 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from hookexp.config import EXTRA_KEYS, HookexpConfig
+from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
+from hookexp.run import rundir
 
 log = logging.getLogger("hookexp")
 
 
-def check_top_level(cfg: DictConfig) -> None:
-    """Keys added with ``+key=value`` must be ones hookexp reads; a typo is an error, not ignored."""
+def check_config(cfg: DictConfig) -> None:
+    """Keys added with ``+key=value`` must be ones hookexp reads: at the top level and inside the typed groups
+    (``+trainer.epoch=3`` is a typo, not a new setting)."""
     known = set(HookexpConfig.__dataclass_fields__) | set(EXTRA_KEYS)
     for key in cfg:
         if key not in known:
             extras = ", ".join(f"+{k}=... ({v})" for k, v in EXTRA_KEYS.items())
             raise ConfigError(f"unknown top-level key.{did_you_mean(str(key), known)} Keys you may add: {extras}.",
                               key=str(key))
+    for group, schema in TYPED_GROUPS.items():
+        fields = list(schema.__dataclass_fields__)
+        for key in cfg.get(group) or {}:
+            if key not in fields:
+                raise ConfigError(f"unknown key.{did_you_mean(str(key), fields)} {group} has: {', '.join(fields)}.",
+                                  key=f"{group}.{key}")
 
 
 def apply_ablation(cfg: DictConfig) -> None:
@@ -73,34 +83,46 @@ def _sweep_defaults(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> Any:
-    """Run (or dry-run) one job; returns the optimised metric (val/acc) for sweepers."""
-    from hookexp.train import dry_run, train  # torch is imported only once the config composed
-
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    check_top_level(cfg)
+    """Run (or dry-run) one job; returns the optimised metric (val/acc, else -val/loss) for sweepers."""
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    check_config(cfg)
     apply_ablation(cfg)
     _sweep_defaults(cfg)
+    overrides = list(hc.overrides.task)
+    from hookexp.run.train import dry_run, train  # torch is imported only once the config is checked
+
+    log.info("run directory: %s", run_dir)
     if cfg.get("dry_run"):
-        return dry_run(cfg, run_dir)
-    summary = train(cfg, run_dir)
+        return dry_run(cfg, run_dir, overrides)
+    summary = train(cfg, run_dir, overrides)
     if summary["status"] == "interrupted":
         print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
-              f"continue with: resume=true hydra.run.dir={run_dir}", file=sys.stderr)
-        sys.exit(128 + summary["signal"])
-    log.info("finished: %s", ", ".join(f"{k}={v:.4f}" for k, v in summary.items()
-                                        if k.startswith(("train/", "val/")) and isinstance(v, float)))
-    return summary.get("val/acc")
+              f"continue with: python -m hookexp resume=true hydra.run.dir={run_dir}", file=sys.stderr)
+        sys.exit(128 + int(summary["signal"]))
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in summary.items()
+                      if k.startswith(("train/", "val/")) and isinstance(v, float))
+    log.info("finished %d steps in %.1f s: %s; run directory: %s", summary["trainer/steps"], summary["runtime_s"],
+             shown, run_dir)
+    for key in ("val/acc", "val/loss"):
+        if isinstance(summary.get(key), float):
+            return summary[key] if key == "val/acc" else -summary[key]
+    return None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://hookexp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
     hc = HydraConfig.get()
+    run_dir = Path(os.path.abspath(hc.runtime.output_dir))
     try:
         return run(cfg)
     except Exception as e:
         if hc.mode == RunMode.MULTIRUN:
-            _record_failure(Path(hc.runtime.output_dir), list(hc.overrides.task), e)
+            _record_failure(run_dir, list(hc.overrides.task), e)
             return float("nan")
+        if RunDirPolicy.created.get(str(run_dir)):
+            logging.shutdown()
+            rundir.remove_unstarted(run_dir)
         if isinstance(e, HookexpError):
             print(f"\nhookexp: error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -115,6 +137,31 @@ def _record_failure(job_dir: Path, overrides: list[str], error: BaseException) -
         "traceback": "".join(traceback.format_exception(error)),
     }, indent=2) + "\n")
     print(f"hookexp: job {' '.join(overrides)} failed: {text}", file=sys.stderr)
+
+
+class RunDirPolicy(Callback):
+    """Before Hydra writes anything into the run (or sweep) directory: refuse one that holds results."""
+
+    created: ClassVar[dict[str, bool]] = {}  # run dir -> whether this launch creates it
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            run_dir = Path(os.path.abspath(str(config.hydra.run.dir)))
+        except Exception:  # an interpolation only the job can resolve: the run layer checks it then
+            return
+        _exit_on_error(lambda: self.created.__setitem__(
+            str(run_dir), rundir.claim(run_dir, config.get("resume"), config.get("overwrite"))))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(lambda: rundir.claim_sweep(Path(str(config.hydra.sweep.dir)), config.get("overwrite")))
+
+
+def _exit_on_error(fn: Any) -> None:
+    try:
+        fn()
+    except HookexpError as e:
+        print(f"hookexp: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 class SweepSummary(Callback):
@@ -135,6 +182,18 @@ class SweepSummary(Callback):
 
 
 def main() -> None:
+    # The console script `hookexp` finds the user's own modules in the current directory, as `python -m` does.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    args = sys.argv[1:]
+    others = [a for a in args if a.startswith("-") or "=" not in a]  # Hydra's flags and their values
+    overrides = [a for a in args if not a.startswith("-") and "=" in a]
+    try:
+        overrides = rundir.resume_overrides(overrides)
+    except HookexpError as e:
+        print(f"hookexp: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [sys.argv[0], *others, *overrides]
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun only rank 0 writes: Hydra's files too
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     _hydra_main()

@@ -40,29 +40,25 @@ class HookSpecConfig:
 
 
 @dataclass
-class DataConfig:
-    name: str = MISSING
-    channels: int = MISSING
-    image_size: int = MISSING
-    num_classes: int = MISSING
-    batch_size: int = 64
-    eval_batch_size: int = 512
-    num_workers: int = 0  # DataLoader worker processes (seeded); 0 loads in the training process
-    dataset: dict[str, Any] = MISSING  # {_target_: hookexp.data.digits, ...}
-
-
-@dataclass
 class TrainerConfig:
     epochs: int = 10
     max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation; DDP syncs on the last)
+    clip_grad_norm: Optional[float] = None  # noqa: UP045 - global gradient-norm clip, after the pre_step specs
+    eval_every: Optional[int] = None  # noqa: UP045 - also validate every N steps (besides each epoch's end)
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    num_threads: Optional[int] = 1  # noqa: UP045 - torch's intra-op CPU threads; null: torch's default
     progress: bool = True  # a tqdm progress bar on stderr
     save_records: bool = True  # write what `record` transforms kept to records/<spec>.pt
-    nan_policy: str = "raise"  # raise | skip_step | warn | off: what a NaN/Inf loss or gradient does
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast dtype; fp16 adds a GradScaler
     compile: bool = False  # torch.compile the model after the hooks are attached
     compile_backend: str = "inductor"
     checkpoint_every: Optional[int] = None  # noqa: UP045 - steps between checkpoints (and always on SIGTERM)
+
+
+@dataclass
+class GuardConfig:
+    nan_policy: str = "raise"  # raise | skip_step | warn | off: what a NaN/Inf loss or gradient does
 
 
 @dataclass
@@ -96,9 +92,13 @@ class ReproConfig:
 class HookexpConfig:
     seed: int = 0
     model: dict[str, Any] = MISSING
-    data: DataConfig = MISSING
+    task: dict[str, Any] = MISSING
+    # the data options differ in their keys (path, p, root, ...): checked by hookexp.run.loaders.check_data_config
+    data: dict[str, Any] = MISSING
     optim: dict[str, Any] = MISSING
+    scheduler: Optional[dict[str, Any]] = None  # noqa: UP045
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     # Specs stay untyped here so that a new one can be added from the command line
     # (+hooks.name={target: fc1, kind: forward}); hookexp.specs checks every field of every spec,
     # before anything runs, with the key and the fix in the message.
@@ -113,7 +113,11 @@ class HookexpConfig:
 EXTRA_KEYS = {
     "dry_run": "validate the hooks on one batch, print the table, and exit without training",
     "ablate": "disable one hook spec by name (none: keep all, all: disable all), for leave-one-out studies",
+    "overwrite": "start a fresh run in a run directory that holds an earlier run's results (they are deleted)",
 }
+# Typed groups: a key added to them with +group.key=value must be one of their fields.
+TYPED_GROUPS = {"trainer": TrainerConfig, "stats": StatsConfig, "logger": LoggerConfig, "repro": ReproConfig,
+                "guard": GuardConfig}
 
 
 def register_configs() -> None:

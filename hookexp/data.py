@@ -5,7 +5,8 @@ DataLoader whole batches through ``__getitems__`` so that loading costs one inde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -93,3 +94,24 @@ def synthetic(n: int = 2048, channels: int = 3, image_size: int = 8, num_classes
     teacher = torch.randn(channels * image_size * image_size, num_classes, generator=gen)
     y = (x.flatten(1) @ teacher).argmax(dim=1)
     return _split(x, y, val_fraction, split_seed)
+
+
+@dataclass
+class Splits:  # (temporary: replaced by the datamodels branch)
+    train: Any
+    val: Any
+    info: dict = field(default_factory=dict)
+    collate_fn: Any = None
+
+
+def as_splits(obj: Any, val_fraction: float | None = None, seed: int = 0, key: str = "data.dataset") -> Splits:
+    if isinstance(obj, Splits):
+        return obj
+    if isinstance(obj, DataSplits):
+        x = obj.train.x
+        info = {"in_channels": x.shape[1], "image_size": x.shape[-1], "num_classes": int(obj.train.y.max()) + 1}
+        return Splits(obj.train, obj.val, info, _whole_batch)
+    if isinstance(obj, (tuple, list)) and len(obj) == 2:
+        return Splits(obj[0], obj[1])
+    from hookexp.errors import ConfigError
+    raise ConfigError(f"returned {type(obj).__name__}", key=key)

@@ -74,3 +74,23 @@ class ConfigError(HookexpError):
     def __init__(self, message: str, *, key: str | None = None):
         super().__init__(f"{key}: {message}" if key else message)
         self.key = key
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run layer (build, loop, checkpoints, run directories, files).
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be resumed from: missing, corrupt, incomplete, or written with another config."""
+
+
+class RunDirError(ConfigError):
+    """The run directory cannot be used: it holds another run's results, or it cannot be written."""
+
+
+class RunFilesError(HookexpError, OSError):
+    """Writing a run's files failed (disk full, read-only, permissions); names the file and the fix."""
+
+
+class NonFiniteError(HookexpError, FloatingPointError):
+    """A loss or gradient became NaN or Inf and ``guard.nan_policy`` is ``raise``."""

@@ -1,104 +1,127 @@
-"""The non-finite guard: ``trainer.nan_policy = raise | skip_step | warn | off``.
+"""The non-finite guard: ``guard.nan_policy = raise | skip_step | warn | off``.
 
-``raise`` and ``warn`` cost nothing on steps that do not log: the trainer's meter keeps every step's
-loss on the device, and the log step reads them back with the statistics, then raises (or warns)
-naming the first step whose loss was NaN/Inf. ``skip_step`` must decide before each update, so
-it reads the loss and every gradient's norm back on every step (one sync a step, free on CPU).
-The message names the step, the first affected parameters (non-finite values first: where a NaN came
-in) and the hook specs that touch them, since a hook is a likely cause.
+After backward (and the fp16 unscale), before the update, the guard asks whether the loss and every
+gradient are finite. Finiteness is read from each gradient's largest magnitude, not its norm: a float32
+norm overflows to inf for finite gradients of large magnitude (``optim.lr=1e10``), which must not count.
+
+- ``skip_step`` decides before each update, so it reads the answer back every step (free on a CPU, one
+  sync a step on a GPU) and skips the update of a non-finite step, naming it.
+- ``raise`` and ``warn`` on the CPU also read it back every step (it costs nothing there): ``raise``
+  stops before a NaN gradient reaches the weights. On a GPU they cost no sync: the first non-finite step
+  is remembered on the device and read back with the log step's other values, then raised or warned.
+- ``off``: nothing.
+
+The message names the step, the parameters (non-finite values first: where a NaN came in, not where it
+spread) and the hook specs that touch them, since a hook is a likely cause.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookexp.engine import HookHandle
-from hookexp.errors import ConfigError, HookexpError
+from hookexp.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger("hookexp.guard")
 POLICIES = ("raise", "skip_step", "warn", "off")
 
 
-class NonFiniteError(HookexpError, FloatingPointError):
-    """A loss or gradient became NaN or Inf and ``trainer.nan_policy`` is ``raise``."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
+
+
+def all_finite(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool on the device: the loss and every gradient are finite (by their largest magnitude)."""
+    parts = [] if loss is None else [loss.detach().float().reshape(1)]
+    local = [_local(g) for g in grads if g is not None and g.numel()]
+    if local:
+        parts.append(torch.stack(torch._foreach_norm(local, float("inf"))).float())
+    return torch.cat(parts).isfinite().all() if parts else torch.ones((), dtype=torch.bool)
 
 
 class NonFiniteGuard:
-    def __init__(self, policy: str, model: nn.Module, hooks: HookHandle, check_grads: bool = True):
+    def __init__(self, policy: str, model: nn.Module, touching: Callable[[list[str]], list[str]] | None = None,
+                 device: torch.device | None = None, check_grads: bool = True):
         if policy not in POLICIES:
-            raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.",
-                              key="trainer.nan_policy")
+            raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.", key="guard.nan_policy")
         self.policy = policy
-        self.check_grads = check_grads
         self.model = model
-        self.hooks = hooks
+        self.touching = touching or (lambda params: [])
+        self.check_grads = check_grads  # False under fp16: the GradScaler itself skips overflowing steps
+        self.sync = device is None or device.type == "cpu" or policy == "skip_step"
         self.skipped = 0
         self.warned = 0
+        self._first: torch.Tensor | None = None  # the first non-finite step since the last log step (device)
 
-    def grads_finite(self) -> bool:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+    def before_update(self, loss: torch.Tensor, step: int) -> bool:
+        """True to take the optimizer step, False to skip it (``skip_step`` only)."""
+        if self.policy == "off":
             return True
-        return bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        grads = [p.grad for p in self.model.parameters()] if self.check_grads else []
+        finite = all_finite(loss, grads)
+        if not self.sync:  # raise / warn on a GPU: remember the first bad step, read it on the log step
+            here = torch.where(finite, -1, step)
+            self._first = here if self._first is None else torch.where(self._first >= 0, self._first, here)
+            return True
+        if bool(finite):
+            return True
+        message = self.describe(loss, step)
+        if self.policy == "skip_step":
+            self.skipped += 1
+            log.warning("%s Skipping this update (guard.nan_policy=skip_step).", message)
+            return False
+        self._report(message)
+        return True
 
-    def check(self, loss: torch.Tensor, step: int) -> bool:
-        """Before ``optimizer.step()``: True to take the step, False to skip it. Only ``skip_step``
-        looks at anything here; ``raise`` and ``warn`` are decided on the log step."""
-        if self.policy != "skip_step":
-            return True
-        finite = bool(torch.isfinite(loss.detach()).all())
-        if finite and self.check_grads:
-            finite = self.grads_finite()
-        if finite:
-            return True
-        self.skipped += 1
-        log.warning("%s Skipping this step (trainer.nan_policy=skip_step).", self.describe(loss, step))
-        return False
-
-    def on_log_step(self, first_bad: int | None, loss: torch.Tensor, step: int) -> None:
-        """On a log step: raise (or warn) if a loss since the last log step was non-finite;
-        ``first_bad`` is the first such step (the trainer's meter read it with the statistics)."""
-        if self.policy not in ("raise", "warn") or first_bad is None:
-            return
-        message = self.describe(loss, first_bad, seen_at=step)
+    def _report(self, message: str) -> None:
         if self.policy == "raise":
-            raise NonFiniteError(message + " Set trainer.nan_policy=skip_step to skip such steps, or warn to go on.")
+            raise NonFiniteError(message + " Set guard.nan_policy=skip_step to skip such updates, or warn to go on.")
         self.warned += 1
-        log.warning("%s Going on (trainer.nan_policy=warn).", message)
+        log.warning("%s Going on (guard.nan_policy=warn).", message)
 
-    def describe(self, loss: torch.Tensor, step: int, most: int = 5, seen_at: int | None = None) -> str:
-        values: list[str] = []  # non-finite parameters first: where a NaN came in, not where it spread
+    def pending(self) -> tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]:
+        """The deferred first bad step for the log step's read-back (None when every step was checked)."""
+        first, self._first = self._first, None
+        return (None if first is None else first.reshape(1).double()), self._decode
+
+    def _decode(self, values: list[float]) -> dict[str, Any]:
+        if values and values[0] >= 0:
+            self._report(self.describe(None, int(values[0]), deferred=True))
+        return {}
+
+    def refuse_checkpoint(self, step: int, saved_step: int | None) -> None:
+        """The model went non-finite before a checkpoint was due: raise (``raise``) or warn, naming the first bad
+        step (read back from the device: checkpoints are rare) — never write that state."""
+        first = self._first
+        bad = int(first.item()) if first is not None and int(first.item()) >= 0 else step - 1
+        kept = f": the last good one (step {saved_step}) is kept" if saved_step is not None else \
+            ", and there is no earlier one"
+        message = f"{self.describe(None, bad, deferred=True)} No checkpoint was written at step {step}{kept}."
+        if self.policy == "raise":
+            raise NonFiniteError(message)
+        self.warned += 1
+        log.warning("%s", message)
+
+    def describe(self, loss: torch.Tensor | None, step: int, most: int = 5, deferred: bool = False) -> str:
+        values: list[str] = []
         grads: list[str] = []
         for name, p in self.model.named_parameters():
-            grad_bad = p.grad is not None and not bool(torch.isfinite(p.grad).all())
-            if not bool(torch.isfinite(p.detach()).all()):
+            grad_bad = p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+            if not bool(torch.isfinite(_local(p.detach())).all()):
                 values.append(f"{name} (value{' and gradient' if grad_bad else ''})")
             elif grad_bad:
                 grads.append(f"{name} (gradient)")
         bad = values + grads
-        touching = self._hooks_touching([b.split(" ")[0] for b in bad])
-        loss_text = f"loss {loss.detach().float().item():g}" + (f" at step {seen_at}" if seen_at is not None else "")
-        params = ", ".join(bad[:most]) + (f" and {len(bad) - most} more" if len(bad) > most else "") or "none"
-        hooks = ", ".join(touching) or "none"
-        first = "first non-finite loss" if seen_at is not None else "non-finite values"
-        return f"{first} at step {step}: {loss_text}; parameters: {params}; hooks touching them: {hooks}."
+        loss_text = "" if loss is None else f"loss {loss.detach().float().item():g}; "
+        params = ", ".join(bad[:most]) + (f" and {len(bad) - most} more" if len(bad) > most else "")
+        hooks = ", ".join(self.touching([b.split(" ")[0] for b in bad])) or "none"
+        now = " (now)" if deferred else ""
+        return (f"non-finite loss or gradient at step {step}: {loss_text}parameters{now}: {params or 'none'}; "
+                f"hooks touching them: {hooks}.")
 
-    def _hooks_touching(self, params: list[str]) -> list[str]:
-        """Specs whose targets are these parameters, or modules that own them."""
-        out = []
-        for b in self.hooks.bindings:
-            if not b.spec.enabled:
-                continue
-            for t in b.targets:
-                if any(p in t.names or any(p.startswith(n + ".") or n == "" for n in t.names) for p in params):
-                    out.append(f"{b.spec.name} ({b.spec.kind} {b.transform.name} on {t.name})")
-                    break
-        return out
-
-
-def as_dict(guard: NonFiniteGuard) -> dict[str, Any]:
-    return {"guard/skipped_steps": guard.skipped, "guard/nonfinite_warnings": guard.warned}
+    def summary(self) -> dict[str, Any]:
+        return {"guard/skipped_steps": self.skipped, "guard/nonfinite_warnings": self.warned}

@@ -7,9 +7,12 @@ counts, as W&B stores them). ``wandb`` is imported only by :class:`WandbSink`, o
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from hookexp.errors import ConfigError
+from hookexp.errors import ConfigError, RunFilesError
 
 log = logging.getLogger("hookexp.sinks")
 
@@ -56,7 +59,96 @@ def _dumps(row: Mapping[str, Any]) -> bytes:
 
 
 def _count_lines(path: Path) -> int:
-    return len(path.read_text(encoding="utf-8").splitlines()) if path.exists() else 0
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write a JSON file through a temporary file and a rename: readers see the old file or the new one, never a
+    torn one; a failure (disk full) names the file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=2, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise files_error(path, e) from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def files_error(path: Path, error: OSError, run_dir: Path | None = None) -> RunFilesError:
+    why = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file size limit is reached",
+           errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+           errno.EDQUOT: "the disk quota is exceeded"}.get(error.errno or 0, error.strerror or str(error))
+    return RunFilesError(f"cannot write {path}: {why}. Everything written before is intact (the run's files end "
+                         "with whole lines); free space or fix the permissions, then continue with resume=true "
+                         f"hydra.run.dir={run_dir or path.parent} (from its last checkpoint).")
+
+
+class JsonLines:
+    """An append-only file of JSON lines, written in whole lines: a failed write (disk full) is cut back to the
+    last whole line. :attr:`lines` counts the lines on the disk (what a checkpoint may promise to keep)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lines = _count_lines(path)
+        self._fd: int | None = None
+        self._pending: list[bytes] = []
+        self._size = path.stat().st_size if path.exists() else 0
+
+    def add(self, line: bytes) -> None:
+        self._pending.append(line + b"\n")
+
+    def flush(self, durable: bool = False) -> None:
+        if self._pending:
+            try:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._write(b"".join(self._pending))
+                self.lines += len(self._pending)
+                self._pending.clear()
+            except OSError as e:
+                self._keep_what_fits()
+                raise files_error(self.path, e) from None
+        if durable and self._fd is not None:
+            os.fsync(self._fd)
+
+    def _write(self, data: bytes) -> None:
+        """Write all of ``data`` or, failing, cut the file back to its last whole line and raise."""
+        assert self._fd is not None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(data)
+
+    def _keep_what_fits(self) -> None:
+        """After a failed write (disk full): write the pending lines one by one while they fit."""
+        while self._pending and self._fd is not None:
+            try:
+                self._write(self._pending[0])
+            except OSError:
+                return
+            self._pending.pop(0)
+            self.lines += 1
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 class LocalFiles:
@@ -64,66 +156,82 @@ class LocalFiles:
     ``histograms.jsonl`` (one line per log step that has histograms: ``{"trainer/step": s, key:
     {"bins": edges, "values": counts}}``, W&B's own shape) and, at the end, ``summary.json``.
 
-    Lines reach the disk at least every ``FLUSH_S`` seconds, at every checkpoint and at the end: a
-    flush per line cost more than the statistics on a small model. :attr:`lines` counts each file's
-    lines, so that a checkpoint can say which of them a resumed run keeps (:meth:`keep`).
+    Lines reach the disk at least every ``FLUSH_S`` seconds, at every checkpoint (flushed to the disk: the
+    checkpoint records how many lines it keeps, :meth:`state_dict`) and at the end.
     """
 
-    FLUSH_S = 1.0  # at most this long between a line and the disk (and at every close)
-    # bytes per file held before a write to the disk (flushed sooner by FLUSH_S): many lines, where Python's default
-    # 8 kB is less than one histogram line of a small CNN, which made every log step a write syscall
-    BUFFER = 1 << 20
+    FLUSH_S = 1.0
     FILES = ("metrics.jsonl", "histograms.jsonl")
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.histograms_path = run_dir / "histograms.jsonl"
-        self.lines = {name: _count_lines(run_dir / name) for name in self.FILES}
-        self._metrics = self.metrics_path.open("ab", buffering=self.BUFFER)  # UTF-8 bytes, as orjson writes them
-        self._histograms: Any = None  # opened by the first histogram: runs without any have no such file
+        self._files = {name: JsonLines(run_dir / name) for name in self.FILES}
         self._flushed = time.monotonic()
+
+    @property
+    def lines(self) -> dict[str, int]:
+        return {name: f.lines for name, f in self._files.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The line counts a checkpoint keeps; every line counted is on the disk (flushed and synced first)."""
+        self.flush(durable=True)
+        return {"lines": self.lines, "source": str(self.run_dir)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep exactly the lines written before the checkpoint (from the run it was written in)."""
+        self.close()
+        self.keep(Path(state.get("source") or self.run_dir), self.run_dir, state["lines"])
+        self._files = {name: JsonLines(self.run_dir / name) for name in self.FILES}
 
     @classmethod
     def keep(cls, source: Path, run_dir: Path, lines: Mapping[str, int]) -> None:
-        """Write into ``run_dir`` the first ``lines[name]`` lines of each file in ``source`` (a resumed
-        run keeps exactly what was written before its checkpoint; a file not counted keeps none)."""
+        """Write into ``run_dir`` the first ``lines[name]`` lines of each file in ``source`` (a file not counted
+        keeps none), atomically."""
         for name in cls.FILES:
             previous = source / name
-            kept = previous.read_text(encoding="utf-8").splitlines(keepends=True) if previous.exists() else []
-            kept = kept[:lines.get(name, 0)]
-            if kept or (run_dir / name).exists():
-                (run_dir / name).write_text("".join(kept), encoding="utf-8")
+            kept: list[bytes] = []
+            if previous.exists():
+                with open(previous, "rb") as f:
+                    for i, line in enumerate(f):
+                        if i >= lines.get(name, 0):
+                            break
+                        kept.append(line)
+            target = run_dir / name
+            if kept or target.exists():
+                tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
+                try:
+                    tmp.write_bytes(b"".join(kept))
+                    os.replace(tmp, target)
+                except OSError as e:
+                    raise files_error(target, e) from None
+                finally:
+                    tmp.unlink(missing_ok=True)
 
     def log(self, metrics: Mapping[str, Any], step: int, histograms: Histograms | None = None) -> None:
-        self._metrics.write(_dumps({STEP_KEY: step, **metrics}) + b"\n")
-        self.lines["metrics.jsonl"] += 1
+        self._files["metrics.jsonl"].add(_dumps({STEP_KEY: step, **metrics}))
         if histograms:
-            if self._histograms is None:
-                self._histograms = self.histograms_path.open("ab", buffering=self.BUFFER)
             row = {STEP_KEY: step, **{k: {"bins": edges, "values": counts}
                                       for k, (counts, edges) in histograms.items()}}
-            self._histograms.write(_dumps(row) + b"\n")
-            self.lines["histograms.jsonl"] += 1
-        now = time.monotonic()
-        if now - self._flushed >= self.FLUSH_S:
+            self._files["histograms.jsonl"].add(_dumps(row))
+        if time.monotonic() - self._flushed >= self.FLUSH_S:
             self.flush()
 
-    def flush(self) -> None:
-        for f in (self._metrics, self._histograms):
-            if f is not None and not f.closed:
-                f.flush()
+    def flush(self, durable: bool = False) -> None:
+        for f in self._files.values():
+            f.flush(durable)
         self._flushed = time.monotonic()
 
     def close(self) -> None:
-        for f in (self._metrics, self._histograms):
-            if f is not None and not f.closed:
-                f.close()
+        for f in self._files.values():
+            f.close()
 
     def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
-        self.close()
-        data = {k: _jsonable(v) for k, v in summary.items()}
-        (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        try:
+            self.close()
+        finally:
+            write_json_atomic(self.run_dir / "summary.json", {k: _jsonable(v) for k, v in summary.items()})
 
 
 def check_logger(cfg: Mapping[str, Any]) -> None:

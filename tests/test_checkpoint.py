@@ -58,7 +58,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(workdir):
 
 
 def test_checkpoints_are_atomic_and_bad_ones_are_clear_errors(workdir):
-    from hookexp import checkpoint
+    from hookexp.run import checkpoint
     from hookexp.errors import ConfigError
 
     path = workdir / "checkpoints" / "last.pt"
@@ -84,7 +84,7 @@ def test_resume_with_another_model_is_refused(workdir):
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(workdir, monkeypatch):
-    from hookexp import checkpoint
+    from hookexp.run import checkpoint
 
     path = workdir / "last.pt"
     checkpoint.save(path, {"step": 1})

@@ -11,11 +11,11 @@ import torch
 from conftest import read_jsonl
 from hydra import compose, initialize_config_module
 
-import hookexp.train as train_module
+import hookexp.run.train as train_module
 from hookexp.engine import HookHandle
 from hookexp.sinks import Sinks
 from hookexp.stats import Packed, StepStats
-from hookexp.train import train
+from hookexp.run.train import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -58,7 +58,7 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
              "args:{min:-0.01,max:0.01}}"]
     try:
         summary = train(config(*hooks, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
-                               "trainer.max_steps=30", "trainer.nan_policy=raise"), tmp_path)
+                               "trainer.max_steps=30", "guard.nan_policy=raise"), tmp_path)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert summary["status"] == "finished" and summary["hook/clip/calls"] == 30 * 8

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from conftest import TESTS, read_jsonl
 from hydra import compose, initialize_config_module
-from torch.utils.data import DistributedSampler
 
-from hookexp.train import build_run
+from hookexp.run.build import build
+from hookexp.run.distributed import Dist
+from hookexp.run.loaders import EpochSampler
 
 SPECS = ["+hooks.local={target:fc2.bias,kind:grad,transform:record}",
          "+hooks.averaged={target:fc2.bias,kind:pre_step,transform:record}"]
@@ -51,16 +52,15 @@ def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(work
     # By hand: the same model and the two ranks' first batches, one process.
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
         cfg = compose("config", overrides=["logger=none", "trainer.device=cpu"])
-    run = build_run(cfg)
+    parts = build(cfg, Dist(), torch.device("cpu"))
+    train_set = parts.loaders.train
     local_grads = []
-    for rank in (0, 1):
-        sampler = DistributedSampler(run.train_loader.dataset, num_replicas=2, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        sampler.set_epoch(0)
-        x, y = run.train_loader.dataset.__getitems__(list(sampler)[:cfg.data.batch_size])
-        run.model.zero_grad()
-        F.cross_entropy(run.model(x), y).backward()
-        local_grads.append(run.model.fc2.bias.grad.clone())
+    for rank in (0, 1):  # each rank's first batch: its share of the epoch's permutation
+        sampler = EpochSampler(len(train_set), shuffle=True, seed=cfg.seed, rank=rank, world_size=2, drop_last=True)
+        x, y = train_set.__getitems__(list(sampler)[:cfg.data.batch_size])
+        parts.model.zero_grad()
+        F.cross_entropy(parts.model(x), y).backward()
+        local_grads.append(parts.model.fc2.bias.grad.clone())
     assert torch.allclose(records["local"], local_grads[0], atol=1e-7)  # rank 0's own gradient
     assert torch.allclose(records["averaged"], (local_grads[0] + local_grads[1]) / 2, atol=1e-7)
     assert not torch.allclose(records["local"], records["averaged"], atol=1e-4)
@@ -70,7 +70,8 @@ def test_more_cuda_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
     """Each CUDA rank trains on its own GPU: two ranks on a one-GPU node would fail deep inside nccl."""
     import pytest
 
-    from hookexp import ConfigError, distributed
+    from hookexp import ConfigError
+    from hookexp.run import distributed
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
@@ -83,7 +84,7 @@ def test_more_cuda_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
 
 
 def test_each_cuda_rank_trains_on_its_own_gpu_and_cpu_ranks_on_the_cpu():
-    from hookexp.distributed import Dist
+    from hookexp.run.distributed import Dist
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert Dist(rank=3, world_size=4, local_rank=1).place(cuda) == torch.device("cuda", 1)

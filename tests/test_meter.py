@@ -1,84 +1,68 @@
-"""TrainMeter: the loss and accuracy a log step reads, against hand-computed values, for one batch since the
-last log step, several, more than FOLD (folded on the device), a non-finite loss, and a resumed carry.
-
-Every test runs both readings: the device's (one float64 tensor for the log step's single transfer) and
-the CPU's (host values straight away); both must give the same numbers."""
+"""TrainMeter: the task's metrics of a log period, summed on the device, against hand-computed values."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from hookexp.meter import TrainMeter
+from hookexp.tasks import CausalLM, Classification
 
-# (loss, logits, labels) per batch; the argmax of each logits row is its class
+# (logits, labels) per batch; the argmax of each logits row is its class
 BATCHES = [
-    (0.5, [[2.0, 0.0], [0.0, 2.0], [1.0, 0.0]], [0, 1, 1]),  # 2 of 3 correct
-    (0.25, [[0.0, 3.0], [0.0, 1.0]], [1, 1]),  # 2 of 2
-    (1.125, [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], [1, 1, 1, 1]),  # 2 of 4
-    (0.75, [[0.0, 1.0]], [0]),  # 0 of 1
-    (0.375, [[5.0, 1.0], [0.0, 1.0]], [0, 1]),  # 2 of 2
+    ([[2.0, 0.0], [0.0, 2.0], [1.0, 0.0]], [0, 1, 1]),  # 2 of 3 correct
+    ([[0.0, 3.0], [0.0, 1.0]], [1, 1]),  # 2 of 2
+    ([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], [1, 1, 1, 1]),  # 2 of 4
 ]
-CORRECT = [2, 2, 2, 0, 2]
 
 
-@pytest.fixture(autouse=True, params=["device", "host"])
-def reading(request, monkeypatch):
-    """Which reading :meth:`TrainMeter.pending` gives: the device tensor (what a GPU takes), or host values."""
-    init = TrainMeter.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        assert self.host  # the CPU without DDP reads on the host by itself
-        self.host = request.param == "host"
-
-    monkeypatch.setattr(TrainMeter, "__init__", patched)
-    return request.param
+def add(meter: TrainMeter, task, batches):
+    losses = []
+    for logits, labels in batches:
+        batch = (None, torch.tensor(labels))
+        loss = task.loss(torch.tensor(logits), batch)
+        losses.append((loss.item(), len(labels)))
+        meter.add(*task.sums(torch.tensor(logits), batch, loss))
+    return losses
 
 
-def period(meter: TrainMeter, batches: list, first_step: int) -> tuple[float, float, int | None]:
-    """Add ``batches`` as the steps from ``first_step`` on, then read them as a log step does."""
-    for i, (loss, logits, labels) in enumerate(batches):
-        meter.add(first_step + i, torch.tensor(loss), torch.tensor(logits), torch.tensor(labels))
-    pending = meter.pending()
-    if meter.host:
-        assert isinstance(pending, list) and all(type(v) is float for v in pending)
-    else:
-        assert pending.dtype == torch.float64
-        pending = pending.tolist()
-    return meter.read(pending)
+def read(meter: TrainMeter) -> dict:
+    values, decode = meter.pending()
+    assert values.dtype == torch.float64
+    return decode(values.tolist())
 
 
-@pytest.mark.parametrize("n", [1, 2, 5])
-def test_loss_and_accuracy_of_one_or_several_batches(n):
-    meter = TrainMeter(torch.device("cpu"))
-    loss, acc, first_bad = period(meter, BATCHES[:n], first_step=7)
-    assert loss == sum(b[0] for b in BATCHES[:n]) / n  # exact: every loss is a dyadic fraction
-    assert acc == sum(CORRECT[:n]) / sum(len(b[2]) for b in BATCHES[:n])
-    assert first_bad is None
-    # the next period starts afresh
-    assert period(meter, BATCHES[3:4], first_step=7 + n) == (0.75, 0.0, None)
+def test_a_period_reads_example_weighted_loss_and_accuracy_then_starts_again():
+    task = Classification()
+    meter = TrainMeter(task, torch.device("cpu"))
+    losses = add(meter, task, BATCHES)
+    got = read(meter)
+    assert got["train/loss"] == pytest.approx(sum(v * n for v, n in losses) / 9, rel=1e-12)
+    assert got["train/acc"] == 6 / 9
+    add(meter, task, BATCHES[1:2])
+    assert read(meter)["train/acc"] == 1.0  # the new period holds batch 2 alone
 
 
-def test_folding_on_the_device_changes_nothing(monkeypatch):
-    monkeypatch.setattr(TrainMeter, "FOLD", 2)  # 5 batches: folded twice, one kept
-    folded = period(TrainMeter(torch.device("cpu")), BATCHES, first_step=0)
-    monkeypatch.setattr(TrainMeter, "FOLD", 256)
-    assert folded == period(TrainMeter(torch.device("cpu")), BATCHES, first_step=0)
-    assert folded == (sum(b[0] for b in BATCHES) / 5, 8 / 12, None)
+def test_a_checkpoint_carries_the_period_so_far():
+    task = Classification()
+    meter = TrainMeter(task, torch.device("cpu"))
+    add(meter, task, BATCHES[:2])
+    resumed = TrainMeter(task, torch.device("cpu"))
+    resumed.load_state_dict(meter.state_dict())
+    add(meter, task, BATCHES[2:])
+    add(resumed, task, BATCHES[2:])
+    assert read(meter) == read(resumed)
 
 
-@pytest.mark.parametrize("fold", [2, 256])
-def test_the_first_non_finite_loss_is_named_by_its_step(monkeypatch, fold):
-    monkeypatch.setattr(TrainMeter, "FOLD", fold)
-    batches = [BATCHES[0], BATCHES[1], (math.nan, *BATCHES[2][1:]), (math.inf, *BATCHES[3][1:]), BATCHES[4]]
-    loss, acc, first_bad = period(TrainMeter(torch.device("cpu")), batches, first_step=40)
-    assert first_bad == 42 and math.isnan(loss) and acc == 8 / 12
-
-
-def test_a_resumed_carry_is_part_of_the_first_period():
-    meter = TrainMeter(torch.device("cpu"), loss_sum=1.5, correct=3, seen=4, batches=2, first_step=10)
-    loss, acc, first_bad = period(meter, BATCHES[:1], first_step=12)
-    assert (loss, acc, first_bad) == ((1.5 + 0.5) / 3, (3 + 2) / (4 + 3), None)
+def test_causal_lm_reads_token_weighted_loss_accuracy_and_perplexity():
+    task = CausalLM()
+    meter = TrainMeter(task, torch.device("cpu"))
+    torch.manual_seed(0)
+    logits, tokens = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    loss = task.loss(logits, tokens)
+    meter.add(*task.sums(logits, tokens, loss))
+    got = read(meter)
+    assert got["train/loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert got["train/ppl"] == pytest.approx(torch.exp(loss).item(), rel=1e-6)
+    right = (logits[:, :-1].argmax(-1) == tokens[:, 1:]).float().mean().item()
+    assert got["train/acc"] == pytest.approx(right)

@@ -37,3 +37,23 @@ def slow(x, ctx, seconds: float = 0.003):
 
     time.sleep(seconds)
     return x
+
+
+def signal_at(x, ctx, step: int, signum: int = 15):
+    """Changes nothing; sends this process `signum` once, during training step `step`: a stop at a known point."""
+    import os
+
+    if ctx.step == step and not ctx.state.get("sent"):
+        ctx.state["sent"] = True
+        os.kill(os.getpid(), signum)
+    return x
+
+
+def nan_at(x, ctx, step: int):
+    """NaN gradients at training step `step` only."""
+    return x * float("nan") if ctx.step == step else x
+
+
+def huge(x, ctx, factor: float = 1e30):
+    """Finite gradients whose float32 norm overflows (a sum of squares beyond 3.4e38)."""
+    return x * factor

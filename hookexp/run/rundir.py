@@ -1,0 +1,108 @@
+"""Run directories: one directory holds one run, and a run's results are never mixed or lost.
+
+- A fresh launch into a directory that holds a run's results is refused before anything is written (Hydra
+  writes ``.hydra/`` first, so the check runs in Hydra's ``on_run_start``): continue it with ``resume=true``,
+  start over with ``+overwrite=true`` (the old results are deleted), or pick another ``hydra.run.dir``.
+- ``resume=true hydra.run.dir=X`` re-composes X's own config from ``X/.hydra/overrides.yaml``: the command
+  the interrupted run printed works as it is. Extra overrides are refused unless they only change how long
+  or where the run goes on (:data:`RESUMABLE_CHANGES`).
+- A launch that fails before training removes the directory it created.
+
+No torch here: the CLI imports this before composing, and ``--help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from hookexp.errors import RunDirError
+
+# What a run writes: a directory holding any of these holds a run.
+RESULTS = ("metrics.jsonl", "histograms.jsonl", "summary.json", "manifest.json", "checkpoints", "records", "wandb",
+           "plots", "dry_run.json", "failure.json")
+# Config keys a resumed run may change: how long, where and how verbosely it runs, not what it computes.
+RESUMABLE_CHANGES = ("trainer.max_steps", "trainer.epochs", "trainer.progress", "trainer.checkpoint_every",
+                     "trainer.device", "trainer.num_threads", "trainer.save_records", "data.num_workers",
+                     "logger.", "resume")
+
+
+def results_in(run_dir: Path) -> list[str]:
+    return [name for name in RESULTS if (run_dir / name).exists()]
+
+
+def truthy(value: object) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def claim(run_dir: Path, resume: object, overwrite: object) -> bool:
+    """Check ``run_dir`` before a run starts; returns whether this launch creates it (then a failure before
+    training removes it again)."""
+    if not run_dir.exists():
+        return True
+    found = results_in(run_dir)
+    if not found or (resume is not None and resume is not False and str(resume).lower() not in ("false", "null")):
+        return False
+    if truthy(overwrite):
+        for name in [*RESULTS, ".hydra"]:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        return False
+    raise RunDirError(f"{run_dir} already holds a run ({', '.join(found)}); a new run there would mix its results "
+                      f"with that one's. Continue that run with resume=true hydra.run.dir={run_dir}, start it over "
+                      "with +overwrite=true (deletes its results), or choose another directory "
+                      "(hydra.run.dir=PATH, or leave it out for a new timestamped one).", key="hydra.run.dir")
+
+
+def claim_sweep(sweep_dir: Path, overwrite: object) -> None:
+    """A multirun into a sweep directory whose jobs already hold results is refused the same way."""
+    if not sweep_dir.is_dir():
+        return
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and results_in(p)]
+    if not jobs:
+        return
+    if truthy(overwrite):
+        for job in jobs:
+            shutil.rmtree(job)
+        return
+    raise RunDirError(f"{sweep_dir} already holds a sweep ({len(jobs)} job directories with results); a new sweep "
+                      "there would mix with it. Choose another hydra.sweep.dir, or add +overwrite=true to delete "
+                      "the old jobs' results.", key="hydra.sweep.dir")
+
+
+def override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def resume_overrides(overrides: list[str]) -> list[str]:
+    """``resume=true hydra.run.dir=X [extra]`` -> X's own overrides, the allowed extras, resume and the run dir.
+    Other command lines come back unchanged."""
+    values = {override_key(o): o.split("=", 1)[1] for o in overrides if "=" in o}
+    run_dir = values.get("hydra.run.dir")
+    if not truthy(values.get("resume")) or run_dir is None:
+        return overrides
+    saved_path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if not saved_path.is_file():
+        return overrides  # nothing to re-compose from: the checkpointer says what is missing
+    saved = [str(o) for o in (yaml.safe_load(saved_path.read_text()) or [])]
+    extra = [o for o in overrides if override_key(o) not in ("resume", "hydra.run.dir")]
+    refused = [o for o in extra if not override_key(o).startswith(RESUMABLE_CHANGES) and o not in saved]
+    if refused:
+        allowed = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_CHANGES[:-1])
+        raise RunDirError(f"resume=true continues the run in {run_dir} with the config it was started with "
+                          f"({' '.join(saved) or 'the defaults'}); {' '.join(refused)} would change what it computes. "
+                          f"Only {allowed} may change on resume; start a new run for anything else.", key="resume")
+    changed = {override_key(o) for o in extra}
+    kept = [o for o in saved if override_key(o) not in changed and override_key(o) != "resume"]
+    return [*kept, *extra, "resume=true", f"hydra.run.dir={run_dir}"]
+
+
+def remove_unstarted(run_dir: Path) -> None:
+    """After a launch failed before training: remove the directory it created (nothing of a run is in it)."""
+    if run_dir.is_dir() and not (run_dir / "manifest.json").exists() and not (run_dir / "dry_run.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)

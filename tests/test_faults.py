@@ -1,0 +1,211 @@
+"""Faults a long run meets — signals, kills inside writes, corrupt checkpoints, full disks, NaN, changed configs —
+each asserting that nothing earlier is lost and that a resumed run equals the uninterrupted one.
+
+In-process runs stop at a known step through a transform that signals its own process
+(``user_transforms.signal_at``); kills inside writes need a real process (``fault_runner.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TESTS, read_jsonl
+from hydra import compose, initialize_config_module
+
+from hookexp.errors import CheckpointError, RunFilesError
+from hookexp.run.train import train
+
+STOP = "+hooks.stop={target:fc2,kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
+BASE = ["trainer.max_steps=40", "stats.every=3", "stats.hist_bins=4", "hooks=[grad_noise,record_activations]",
+        "hooks.record_activations.every=7", "trainer.accumulate=2", "scheduler=cosine", "scheduler.warmup_steps=4"]
+
+
+def config(*overrides: str):
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
+def without_timing(path: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_jsonl(path)]
+
+
+def same_results(a: Path, b: Path) -> None:
+    assert without_timing(a / "metrics.jsonl") == without_timing(b / "metrics.jsonl")
+    if (a / "histograms.jsonl").exists():
+        assert read_jsonl(a / "histograms.jsonl") == read_jsonl(b / "histograms.jsonl")
+    sa, sb = (json.loads((p / "summary.json").read_text()) for p in (a, b))
+    drop = ("perf/", "runtime_s", "run_dir")
+    assert {k: v for k, v in sa.items() if not k.startswith(drop)} == {k: v for k, v in sb.items()
+                                                                       if not k.startswith(drop)}
+
+
+def interrupted_then_resumed(tmp_path: Path, stop_at: int, *overrides: str, base: list[str] = BASE
+                             ) -> tuple[Path, Path]:
+    """An uninterrupted run, and a run stopped by SIGTERM during step ``stop_at`` then resumed (in-process)."""
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train(config(*base, *overrides, STOP % 10_000), straight)  # the same hook set, never firing
+    first = train(config(*base, *overrides, STOP % stop_at), cut)
+    assert first["status"] == "interrupted" and first["trainer/steps"] == stop_at + 1
+    assert (cut / "checkpoints" / "last.pt").exists()
+    resumed = train(config(*base, *overrides, STOP % stop_at, "resume=true"), cut)
+    assert resumed["status"] == "finished"
+    return straight, cut
+
+
+def test_sigterm_mid_epoch_then_resume_equals_the_uninterrupted_run_and_keeps_the_records(tmp_path):
+    """Issue 20.4 (records) and 20.6 (data workers): with 2 workers the data order after the checkpoint is the
+    uninterrupted run's, and records made before the checkpoint survive."""
+    straight, cut = interrupted_then_resumed(tmp_path, 16, "data.num_workers=2")
+    same_results(straight, cut)
+    a = torch.load(straight / "records" / "record_activations.pt", weights_only=True)
+    b = torch.load(cut / "records" / "record_activations.pt", weights_only=True)
+    assert [(r["target"], r["step"]) for r in a] == [(r["target"], r["step"]) for r in b]
+    steps = [r["step"] for r in b]  # 3 ReLUs, each called once per micro-batch (accumulate=2)
+    assert sorted(set(steps)) == [0, 7, 14, 21, 28, 35] and steps.count(7) == 6
+    assert all(torch.equal(x["value"], y["value"]) for x, y in zip(a, b, strict=True))
+
+
+def test_fp16_resume_keeps_the_grad_scaler_and_its_statistics(tmp_path):
+    """Issue 20.9: the GradScaler's scale is part of the checkpoint."""
+    straight, cut = interrupted_then_resumed(tmp_path, 5, "trainer.precision=fp16",
+                                             base=["trainer.max_steps=9", "stats.every=2", "hooks=grad_noise"])
+    same_results(straight, cut)
+
+
+def test_a_nan_never_replaces_the_last_good_checkpoint(tmp_path):
+    """Issue 20.1: under warn, NaN weights from step 3 on are never checkpointed over step 3's state."""
+    poison = "+hooks.poison={target:fc1.bias,kind:grad,transform:{_target_:user_transforms.nan_at,step:3}}"
+    summary = train(config(poison, "guard.nan_policy=warn", "trainer.max_steps=8", "trainer.checkpoint_every=1"),
+                    tmp_path)
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["loop"]["step"] == 3 and all(torch.isfinite(v).all() for v in saved["model"].values())
+    assert summary["guard/nonfinite_warnings"] >= 5  # step 3, then each refused checkpoint (steps 4..8)
+
+
+def test_resuming_from_the_final_checkpoint_writes_the_final_summary(tmp_path):
+    """Issue 20.2: killed after the last checkpoint, during the shutdown: the resumed run neither drops the last
+    validation line nor writes stale values."""
+    args = ["trainer.max_steps=12", "trainer.checkpoint_every=6", "stats.every=4"]
+    killed = fault(tmp_path, "kill_in_shutdown", *args, "logger=none", "hydra.run.dir=cut")
+    assert killed.returncode == -9 and not (tmp_path / "cut" / "summary.json").exists()
+    train(config(*args), tmp_path / "straight")
+    assert train(config(*args, "resume=true"), tmp_path / "cut")["status"] == "finished"
+    same_results(tmp_path / "straight", tmp_path / "cut")
+
+
+def test_sigterm_during_shutdown_does_not_cut_it(tmp_path):
+    """Issue 20.5: the summary is written and the run ends as finished."""
+    done = fault(tmp_path, "term_in_shutdown", "trainer.max_steps=5", "logger=none", "hydra.run.dir=run")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["signal"] == 15
+
+
+def fault(cwd: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(TESTS / "fault_runner.py"), mode, "trainer.progress=false", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_is_removed(tmp_path):
+    """Issues 20.13 and the atomic write: the second checkpoint is torn by a kill; resume takes the first."""
+    args = ["trainer.max_steps=30", "trainer.checkpoint_every=10", "stats.every=5"]
+    killed = fault(tmp_path, "kill_in_checkpoint:2", *args, "logger=none", "hydra.run.dir=cut")
+    assert killed.returncode == -9
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    assert [p.name for p in checkpoints.glob(".*.tmp")], "the kill should leave a torn temporary file"
+    assert torch.load(checkpoints / "last.pt", weights_only=True)["loop"]["step"] == 10
+    train(config(*args), tmp_path / "straight")
+    assert train(config(*args, "resume=true"), tmp_path / "cut")["status"] == "finished"
+    assert not list(checkpoints.glob(".*.tmp"))
+    same_results(tmp_path / "straight", tmp_path / "cut")
+
+
+def test_a_kill_inside_a_metrics_write_leaves_whole_lines_and_resume_cuts_back_to_the_checkpoint(tmp_path):
+    args = ["trainer.max_steps=30", "trainer.checkpoint_every=8", "stats.every=1"]
+    killed = fault(tmp_path, "kill_in_metrics:3", *args, "logger=none", "hydra.run.dir=cut")  # the 3rd flush
+    assert killed.returncode == -9
+    assert not (tmp_path / "cut" / "metrics.jsonl").read_bytes().endswith(b"\n")  # torn, as a kill leaves it
+    train(config(*args), tmp_path / "straight")
+    assert train(config(*args, "resume=true"), tmp_path / "cut")["status"] == "finished"
+    same_results(tmp_path / "straight", tmp_path / "cut")
+
+
+def test_a_full_disk_is_one_paragraph_and_leaves_whole_lines_and_a_valid_summary(tmp_path):
+    """Issue 20.10, with the file-size limit standing in for a full disk."""
+    done = fault(tmp_path, "fsize:60000", "trainer.max_steps=60", "stats.every=1", "logger=none",
+                 "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("hookexp: error: cannot write ") and "metrics.jsonl: the file size limit is reached" in error
+    assert "Traceback" not in done.stderr
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()  # as many whole lines as fit, and no part of one
+    assert 50_000 < len(metrics) <= 60_000 and metrics.endswith(b"\n")
+    assert all(json.loads(line) for line in metrics.splitlines())
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_one(tmp_path, monkeypatch):
+    import errno
+
+    from hookexp.run import checkpoint
+
+    train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path)
+    good = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    (tmp_path / "summary.json").unlink()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(RunFilesError, match=r"^cannot write .*checkpoints.*: the disk is full\. Everything written "
+                                            r"before is intact"):
+        train(config("trainer.max_steps=6", "trainer.checkpoint_every=2", "resume=true"), tmp_path)
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == good
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "empty", "no_hooks"])
+def test_a_damaged_checkpoint_is_refused_before_anything_is_touched(tmp_path, damage):
+    """Issue 20.7: flipped bytes (a CRC), an empty file, a checkpoint lacking the hooks' state."""
+    train(config("trainer.max_steps=6", "trainer.checkpoint_every=3"), tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        expected = r"its entry '.*' fails its CRC check: the file is corrupt\. The checkpoint before it is"
+    elif damage == "empty":
+        path.write_bytes(b"")
+        expected = r"it is not a readable checkpoint \(BadZipFile"
+    else:
+        saved = torch.load(path, weights_only=True)
+        del saved["hooks"]
+        torch.save(saved, path)
+        expected = r"it lacks hooks: it is incomplete"
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(CheckpointError, match=r"^resume: cannot resume from .*last\.pt: " + expected):
+        train(config("trainer.max_steps=6", "resume=true"), tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_resuming_with_another_config_lists_the_differences(tmp_path):
+    """Issue 20.8: a changed lr or hook spec is refused; trainer.max_steps may change."""
+    train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path / "a")
+    with pytest.raises(CheckpointError) as e:
+        train(config("trainer.max_steps=4", "optim.lr=0.5", "hooks=clamp_conv", f"resume={tmp_path / 'a'}"),
+              tmp_path / "b")
+    message = str(e.value)
+    assert message.startswith(f"resume: the checkpoint {tmp_path / 'a' / 'checkpoints' / 'last.pt'} was written with "
+                              "another config; resuming would mix two runs. Differences: ")
+    assert "hooks: {} -> {'clamp_conv': {" in message and "optim.lr: 0.1 -> 0.5" in message
+    longer = train(config("trainer.max_steps=6", "trainer.checkpoint_every=2", f"resume={tmp_path / 'a'}"),
+                   tmp_path / "c")
+    assert longer["trainer/steps"] == 6
+    assert [r["trainer/step"] for r in read_jsonl(tmp_path / "c" / "metrics.jsonl") if "train/loss" in r][:1] == [0]
