@@ -1,11 +1,27 @@
 """``python -m hookexp.report DIR [DIR ...]``: the table and plot of a sweep or a set of runs.
 
 Finds every job directory under the given directories (one with ``manifest.json`` or, for a job that
-failed before it wrote one, ``failure.json``), groups
-jobs by their command-line overrides minus the seed, and prints and writes (``report.md``) a markdown
-table of mean ± std (and n) of the final and best metrics per group, and a plot (``report.png``) of
-the training curves: the mean with a ± std band per group. Jobs that failed or did not finish are
-listed with their reason, never averaged.
+failed before it wrote one, ``failure.json``), groups jobs by their command-line overrides minus the
+seed, and prints and writes (``report.md``) a markdown table of mean ± std (and n) of the final and
+best metrics per group, and a plot (``report.png``) of the curves of each group. Jobs that failed or
+did not finish are listed with their reason, never averaged.
+
+Steps to reach (``--reach val/acc=0.95``, repeatable or comma-separated): per job, the first
+``trainer/step`` whose logged value is at or past the target: ``>=`` for metrics that grow, ``<=`` for
+metrics whose name ends in loss, ppl, perplexity or mse; write ``--reach val/loss<=0.1`` or
+``--reach train/acc>=0.9`` to say the direction yourself. Its resolution is how often the metric is
+logged (``trainer.eval_every`` for val/ metrics). Per group: mean ± sample std (n - 1) over the jobs
+that reached it, with "k of n reached"; a job that never reached it is counted in n and shown with the
+best value it got, never averaged in.
+
+Plot: one panel per metric (``--curves``, plus each ``--reach`` metric with its target dashed); y on a
+log axis for loss-like metrics and norms, where the band is the geometric mean ×/÷ the geometric std
+(it never falls to the bottom of the axis); elsewhere mean ± std clipped to the jobs' range; a group of
+one job draws no band. ``--logx`` puts steps on a log axis (step 0 is not drawn).
+
+Examples:
+  python -m hookexp.report multirun/2026-11-22/10-00-00
+  python -m hookexp.report multirun/2026-11-22/10-00-00 --reach val/acc=0.95 --logx --out reports/grokfast
 """
 
 from __future__ import annotations
@@ -13,17 +29,62 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hookexp.errors import ConfigError, did_you_mean
+from hookexp.plots import Metrics, curves_figure, lower_is_better, read_metrics, save, short_labels
+
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
 CURVES = ("train/loss", "val/acc")
 IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "trainer.progress=")
+
+
+@dataclass(frozen=True)
+class Reach:
+    """A ``--reach`` target: the first step at which ``metric op value`` holds."""
+
+    metric: str
+    op: str  # ">=" or "<="
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> Reach:
+        found = re.fullmatch(r"\s*([^<>=\s]+)\s*(<=|>=|=)\s*(\S+)\s*", text)
+        try:
+            value = float(found.group(3)) if found else math.nan
+        except ValueError:
+            value = math.nan
+        if not found or not math.isfinite(value):
+            raise ConfigError(f"{text!r} is not a target. Write METRIC=VALUE (>= for metrics that grow, <= for "
+                              "names ending in loss, ppl, perplexity or mse), or METRIC>=VALUE / METRIC<=VALUE to "
+                              "give the direction, e.g. --reach val/acc=0.95 or --reach val/loss<=0.1.",
+                              key="--reach")
+        metric, op = found.group(1), found.group(2)
+        if op == "=":
+            op = "<=" if lower_is_better(metric) else ">="
+        return cls(metric, op, value)
+
+    def holds(self, value: float) -> bool:
+        return math.isfinite(value) and (value >= self.value if self.op == ">=" else value <= self.value)
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
+
+
+def parse_reach(texts: Iterable[str | Reach]) -> list[Reach]:
+    """``--reach`` values, each one target or a comma-separated list of them."""
+    out: list[Reach] = []
+    for text in texts:
+        out += [text] if isinstance(text, Reach) else [Reach.parse(t) for t in text.split(",") if t.strip()]
+    return list(dict.fromkeys(out))
 
 
 @dataclass
@@ -32,13 +93,34 @@ class Job:
     overrides: list[str]
     summary: dict[str, Any] | None
     error: str | None = None
+    root: Path | None = None
+    _metrics: Metrics | None = field(default=None, repr=False)
+
+    @property
+    def metrics(self) -> Metrics:
+        """metrics.jsonl's rows, read once; a torn last line (a killed job) is skipped and counted."""
+        if self._metrics is None:
+            self._metrics = read_metrics(self.path / "metrics.jsonl")
+        return self._metrics
+
+    def curve(self, metric: str) -> dict[int, float]:
+        return self.metrics.series(metric)
 
     def value(self, metric: str) -> Any:
         """The metric from summary.json, else its last logged value in metrics.jsonl."""
         if self.summary and metric in self.summary:
             return self.summary[metric]
-        last = _curve(self, metric)
+        last = self.curve(metric)
         return last[max(last)] if last else None
+
+    def first_step(self, target: Reach) -> int | None:
+        """The first trainer/step at which the target holds; None if it never does."""
+        return min((s for s, v in self.curve(target.metric).items() if target.holds(v)), default=None)
+
+    def best(self, target: Reach) -> float | None:
+        """The best finite value logged (max for >=, min for <=): what a job that never reached got to."""
+        values = [v for v in self.curve(target.metric).values() if math.isfinite(v)]
+        return (max if target.op == ">=" else min)(values) if values else None
 
     @property
     def kept(self) -> list[str]:
@@ -46,7 +128,9 @@ class Job:
         return sorted(o for o in self.overrides if not o.startswith(IGNORED_OVERRIDES))
 
     def group(self, common: set[str]) -> str:
-        return " ".join(o for o in self.kept if o not in common) or "(common overrides only)"
+        """The group's name: the kept overrides that not every job shares, in the order they were given."""
+        kept = set(self.kept) - common
+        return " ".join(dict.fromkeys(o for o in self.overrides if o in kept)) or "(common overrides only)"
 
     @property
     def seed(self) -> str:
@@ -55,6 +139,13 @@ class Job:
     @property
     def finished(self) -> bool:
         return self.summary is not None and self.summary.get("status") == "finished"
+
+    @property
+    def shown_path(self) -> str:
+        try:
+            return str(self.path.relative_to(self.root)) if self.root else str(self.path)
+        except ValueError:
+            return str(self.path)
 
 
 @dataclass
@@ -70,6 +161,10 @@ class Group:
                 out.append(float(v))
         return out
 
+    def steps_to(self, target: Reach) -> list[int | None]:
+        """Per job, the first step at which the target holds (None: never)."""
+        return [job.first_step(target) for job in self.jobs]
+
 
 def _overrides(job_dir: Path) -> list[str]:
     path = job_dir / ".hydra" / "overrides.yaml"
@@ -82,12 +177,17 @@ def _overrides(job_dir: Path) -> list[str]:
 
 
 def find_jobs(roots: list[Path]) -> list[Job]:
-    jobs = []
+    """Every job directory under the roots, each once (a sweep and one of its jobs both given count it once)."""
+    jobs, seen = [], set()
     for root in roots:
-        if not root.exists():
-            raise SystemExit(f"hookexp.report: error: {root} does not exist.")
+        if not root.is_dir():
+            raise ConfigError(f"{root} is not a directory. Pass a multirun directory (multirun/DATE/TIME) or run "
+                              "directories.", key="DIR")
         markers = [*root.rglob("manifest.json"), *root.rglob("failure.json")]
-        for job_dir in sorted({m.parent for m in markers}, key=lambda p: (len(p.parts), str(p))):
+        for job_dir in sorted({m.parent for m in markers}, key=lambda p: (len(p.parts), _natural(str(p)))):
+            if job_dir.resolve() in seen:
+                continue
+            seen.add(job_dir.resolve())
             summary_path = job_dir / "summary.json"
             summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
             error = None
@@ -98,7 +198,7 @@ def find_jobs(roots: list[Path]) -> list[Job]:
                 error = "no summary.json: the job did not finish (killed, or still running)"
             elif summary.get("status") != "finished":
                 error = f"status {summary.get('status')!r}"
-            jobs.append(Job(job_dir, _overrides(job_dir), summary, error))
+            jobs.append(Job(job_dir, _overrides(job_dir), summary, error, root))
     return jobs
 
 
@@ -110,96 +210,164 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def table(groups: list[Group], metrics: tuple[str, ...] = METRICS) -> str:
-    lines = ["| group | n | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+def reach_cell(steps: Sequence[int | None]) -> str:
+    """``mean ± std (k of n reached)`` over the jobs that reached the target; the others only counted."""
+    reached = [s for s in steps if s is not None]
+    counted = f"({len(reached)} of {len(steps)} reached)"
+    if not reached:
+        return f"never {counted}"
+    if len(reached) == 1:
+        return f"{reached[0]} {counted}"
+    return f"{statistics.mean(reached):.1f} ± {statistics.stdev(reached):.1f} {counted}"
+
+
+def table(groups: list[Group], metrics: tuple[str, ...] = METRICS, reach: Sequence[Reach] = ()) -> str:
+    header = [*metrics, *(f"steps to {t}" for t in reach)]
+    lines = ["| group | n | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
     for g in groups:
-        lines.append(f"| {g.name} | {len(g.jobs)} | " + " | ".join(mean_std(g.values(m)) for m in metrics) + " |")
+        cells = [mean_std(g.values(m)) for m in metrics] + [reach_cell(g.steps_to(t)) for t in reach]
+        lines.append(f"| {g.name} | {len(g.jobs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _curve(job: Job, metric: str) -> dict[int, float]:
-    out: dict[int, float] = {}
-    path = job.path / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        row = json.loads(line)
-        if isinstance(row.get(metric), (int, float)):
-            out[row["trainer/step"]] = row[metric]
-    return out
+def reach_table(groups: list[Group], reach: Sequence[Reach]) -> str:
+    """Per job: the step each target was reached at, or never (with the best value the job got)."""
+    lines = ["| group | seed | job | " + " | ".join(str(t) for t in reach) + " |",
+             "|---|---|---|" + "---|" * len(reach)]
+    for g in groups:
+        for job in g.jobs:
+            cells = []
+            for t in reach:
+                step, best = job.first_step(t), job.best(t)
+                cells.append(str(step) if step is not None else
+                             f"never (best {best:.4g})" if best is not None else "never (not logged)")
+            lines.append(f"| {g.name} | {job.seed} | `{job.shown_path}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
-def plot(groups: list[Group], out: Path, curves: tuple[str, ...] = CURVES) -> Path:
-    import matplotlib
+def _natural(text: str) -> list[Any]:
+    """Sort ``n_layer=16`` after ``n_layer=4`` and ``lr=0.01`` before ``lr=0.1``: numbers compare as numbers
+    (re.split with a group alternates text and numbers, so like compares with like)."""
+    parts = re.split(r"(\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)", text)
+    return [(float(t), t) if i % 2 else t for i, t in enumerate(parts)]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), dpi=100, squeeze=False)
-    for ax, metric in zip(axes[0], curves, strict=True):
-        for g in groups:
-            curves = [_curve(j, metric) for j in g.jobs]
-            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-            if not steps:
-                continue
-            mean = [statistics.mean(c[s] for c in curves) for s in steps]
-            std = [statistics.stdev(c[s] for c in curves) if len(curves) > 1 else 0.0 for s in steps]
-            (line,) = ax.plot(steps, mean, label=f"{g.name} (n={len(g.jobs)})")
-            ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
-                            [m + s for m, s in zip(mean, std, strict=True)], color=line.get_color(), alpha=0.2)
-        ax.set_xlabel("trainer/step")
-        ax.set_ylabel(metric)
-        if metric.endswith("loss"):
-            ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("mean ± std over seeds")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+def _check_names(wanted: Iterable[str], logged: set[str], optional: set[str], key: str) -> None:
+    """A metric a user asked for that no job logged is a typo until shown otherwise: say so, with the
+    closest names. The default columns and curves may be absent (another task logs other metrics)."""
+    for name in dict.fromkeys(wanted):
+        if name not in logged and name not in optional:
+            known = sorted(k for k in logged if not k.startswith(("grad/", "act/", "param/", "update/", "opt/",
+                                                                   "hook/", "perf/")))
+            raise ConfigError(f"no job under the given directories logged a metric named {name!r}."
+                              f"{did_you_mean(name, logged)} The jobs logged: {', '.join(known[:12])}"
+                              f"{', ...' if len(known) > 12 else ''}.", key=key)
+
+
+def _prepare_out(out_dir: Path) -> Path:
+    """Create the output folder (and its parents); one paragraph, not a traceback, when that cannot be."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".hookexp-report-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to {str(out_dir)!r}: {e.strerror or e}. Pass a folder you can "
+                          "write to (it is created if missing), e.g. --out reports/my_sweep.", key="--out") from e
+    return out_dir
 
 
 def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, ...] = METRICS,
-           curves: tuple[str, ...] = CURVES) -> tuple[str, list[Group], list[Job]]:
-    """Build the report; returns the markdown, the groups (finished jobs) and the jobs left out."""
+           curves: tuple[str, ...] = CURVES, reach: Sequence[str | Reach] = (),
+           logx: bool = False) -> tuple[str, list[Group], list[Job]]:
+    """Build the report; returns the markdown, the groups (finished jobs) and the jobs left out.
+    Bad input (no jobs, a metric no job logged, an output folder that cannot be written) raises ConfigError."""
+    roots = [Path(r) for r in roots]
+    targets = parse_reach(reach)
     jobs = find_jobs(roots)
     if not jobs:
-        raise SystemExit(f"hookexp.report: error: no job directories (with manifest.json) under "
-                         f"{', '.join(map(str, roots))}.")
+        raise ConfigError(f"no job directories under {', '.join(map(str, roots))}: a job directory holds "
+                          "manifest.json (or failure.json for a job that failed). Pass a multirun directory "
+                          "(multirun/DATE/TIME) or the run directories themselves.", key="DIR")
     common = set.intersection(*(set(j.kept) for j in jobs)) if len(jobs) > 1 else set()
-    by_name: dict[str, Group] = {}
+    by_key: dict[frozenset[str], Group] = {}  # the same overrides in another order are the same group
     for job in jobs:
         if job.finished:
-            name = job.group(common)
-            by_name.setdefault(name, Group(name)).jobs.append(job)
-    groups = sorted(by_name.values(), key=lambda g: g.name)
+            by_key.setdefault(frozenset(job.kept) - common, Group(job.group(common))).jobs.append(job)
+    groups = sorted(by_key.values(), key=lambda g: _natural(g.name))
     left_out = [j for j in jobs if not j.finished]
+    finished = [j for g in groups for j in g.jobs]
+    logged = {k for j in finished for k in j.metrics.names()}
+    if finished:
+        _check_names([t.metric for t in targets], logged, set(), "--reach")
+        _check_names(curves, logged, set(CURVES), "--curves")
+        _check_names(metrics, logged | {k for j in finished for k in j.summary or {}}, set(METRICS), "--metrics")
+        metrics = tuple(m for m in metrics if m not in METRICS or any(g.values(m) for g in groups))
+    out_dir = _prepare_out(Path(out_dir) if out_dir is not None else roots[0])
+
     text = [f"# hookexp report: {', '.join(map(str, roots))}", "",
-            f"{sum(len(g.jobs) for g in groups)} finished jobs in {len(groups)} groups (overrides minus the seed); "
+            f"{len(finished)} finished jobs in {len(groups)} groups (overrides minus the seed); "
             "final and best metrics, mean ± std over the group's jobs."]
     if common:
         text += ["", "Common to every job: `" + " ".join(sorted(common)) + "`"]
-    text += ["", table(groups, metrics)]
+    text += ["", table(groups, metrics, targets)]
+    if targets:
+        text += ["", "Steps to reach: the first `trainer/step` at which the logged metric is at or past the target "
+                 "(resolution: how often it is logged); mean ± sample std over the jobs that reached it, and "
+                 "how many of the group's jobs did. Jobs that never reached it are counted, never averaged in.",
+                 "", reach_table(groups, targets)]
+    torn = [j for j in jobs if j.metrics.skipped]
+    if torn:
+        text += ["", "Unreadable lines skipped (a job killed while writing leaves a torn last line):", ""]
+        text += [f"- `{j.shown_path}/metrics.jsonl`: {j.metrics.skipped} line(s)" for j in torn]
     if left_out:
         text += ["", f"Left out ({len(left_out)} failed or incomplete):", ""]
-        text += [f"- `{j.path}` ({j.group(common)}, seed {j.seed}): {j.error}" for j in left_out]
+        for j in left_out:
+            steps = [r["trainer/step"] for r in j.metrics.rows if isinstance(r.get("trainer/step"), int)]
+            last = f" (last logged trainer/step {max(steps)})" if steps else ""
+            group = j.group(common) + ", " if set(j.kept) - common else ""
+            text.append(f"- `{j.shown_path}` ({group}seed {j.seed}): {j.error}{last}")
     markdown = "\n".join(text) + "\n"
-    out_dir = out_dir or roots[0]
     (out_dir / "report.md").write_text(markdown)
     if groups:
-        plot(groups, out_dir / "report.png", curves)
+        plot(groups, out_dir / "report.png", tuple(dict.fromkeys([*curves, *(t.metric for t in targets)])),
+             logx=logx, reach=targets)
     return markdown, groups, left_out
+
+
+def plot(groups: list[Group], out: Path, curves: tuple[str, ...] = CURVES, logx: bool = False,
+         reach: Sequence[Reach] = ()):
+    """Write report.png; returns the :class:`hookexp.plots.Panel` s as drawn (what tests check)."""
+    labels = short_labels([g.name for g in groups])
+    data = {m: [(f"{label} (n={len(g.jobs)})", [j.curve(m) for j in g.jobs]) for label, g in
+                zip(labels, groups, strict=True)] for m in curves}
+    n = {len(g.jobs) for g in groups}
+    spread = "one job per group" if n == {1} else "band: spread over each group's jobs (seeds)"
+    fig, panels = curves_figure(data, logx=logx, thresholds={t.metric: t.value for t in reach},
+                                title=f"{sum(map(len, (g.jobs for g in groups)))} jobs in {len(groups)} groups; "
+                                f"{spread}")
+    save(fig, out)
+    return panels
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hookexp.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dirs", nargs="+", type=Path, help="a multirun directory, or run directories")
-    parser.add_argument("--out", type=Path, default=None, help="where report.md and report.png go (default: "
-                        "the first directory)")
+    parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="a multirun directory, or run directories")
+    parser.add_argument("--out", type=Path, default=None, help="where report.md and report.png go, created if "
+                        "missing (default: the first DIR)")
     parser.add_argument("--metrics", default=",".join(METRICS), help="table columns (final values), comma-separated")
     parser.add_argument("--curves", default=",".join(CURVES), help="plotted metrics, comma-separated")
+    parser.add_argument("--reach", action="append", default=[], metavar="METRIC=VALUE",
+                        help="steps to reach a value, per job and per group; repeatable or comma-separated; "
+                        "METRIC>=VALUE or METRIC<=VALUE gives the direction")
+    parser.add_argument("--logx", action="store_true", help="steps on a log axis")
     args = parser.parse_args(argv)
-    markdown, _, _ = report(args.dirs, args.out, tuple(args.metrics.split(",")), tuple(args.curves.split(",")))
+    split = (lambda s: tuple(x.strip() for x in s.split(",") if x.strip()))  # noqa: E731
+    try:
+        markdown, _, _ = report(args.dirs, args.out, split(args.metrics), split(args.curves), args.reach, args.logx)
+    except ConfigError as e:
+        parser.error(str(e))
     print(markdown)
     print(f"wrote {(args.out or args.dirs[0]) / 'report.md'} and report.png", file=sys.stderr)
 

@@ -61,6 +61,17 @@ def test_two_by_two_multirun_and_report(workdir):
         assert f"| {group.name} | 2 | {statistics.mean(group.values('val/acc')):.4f} ± " in markdown
     assert (workdir / "sweep" / "report.md").read_text() == markdown
     assert (workdir / "sweep" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # steps to reach on the real files: a train/loss level some logged rows reach and others do not
+    losses = {j.path: [(r["trainer/step"], r["train/loss"]) for r in read_jsonl(j.path / "metrics.jsonl")
+                       if "train/loss" in r] for g in groups for j in g.jobs}
+    level = statistics.median(v for rows in losses.values() for _, v in rows)
+    markdown, groups, _ = report([workdir / "sweep"], out_dir=workdir / "out", reach=[f"train/loss={level!r}"])
+    for group in groups:
+        firsts = [min((s for s, v in losses[j.path] if v <= level), default=None) for j in group.jobs]
+        reached = [s for s in firsts if s is not None]
+        cell = (f"{statistics.mean(reached):.1f} ± {statistics.stdev(reached):.1f}" if len(reached) == 2 else
+                str(reached[0]) if reached else "never") + f" ({len(reached)} of 2 reached)"
+        assert f"| {cell} |" in next(line for line in markdown.splitlines() if line.startswith(f"| {group.name} | 2 |"))
 
 
 def test_a_failing_job_does_not_lose_the_others(workdir):
