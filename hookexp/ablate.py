@@ -57,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "hookexp", "-m", *overrides, f"+ablate={levels}"]
     print("hookexp.ablate:", " ".join(command[1:]), file=sys.stderr, flush=True)
     status = subprocess.call(command)
+    from hookexp.errors import HookexpError
     from hookexp.report import report
 
-    markdown, _, _ = report([sweep_dir])
+    try:
+        markdown, _, _ = report([sweep_dir])
+    except HookexpError as e:
+        print(f"hookexp.ablate: error: {e}", file=sys.stderr)
+        return status or 2
     print(markdown)
     return status
 

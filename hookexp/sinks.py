@@ -242,6 +242,12 @@ def check_logger(cfg: Mapping[str, Any]) -> None:
     if cfg.get("mode") not in ("offline", "online", "disabled"):
         raise ConfigError(f"unknown W&B mode {cfg.get('mode')!r}. Use offline, online or disabled.",
                           key="logger.mode")
+    env = os.environ.get("WANDB_MODE")
+    if cfg.get("backend") == "wandb" and env is not None and env not in ("offline", "online", "disabled", "dryrun",
+                                                                        "run"):
+        raise ConfigError(f"the environment sets WANDB_MODE={env!r}, which W&B refuses (and which would override "
+                          f"logger.mode={cfg.get('mode')}). Unset it (`unset WANDB_MODE`) or set it to offline, online "
+                          "or disabled.", key="WANDB_MODE")
 
 
 class WandbSink:

@@ -14,10 +14,12 @@ import torch
 TESTS = Path(__file__).parent
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
     """``python -m hookexp ARGS`` in ``cwd``; tests/ is on PYTHONPATH for the user transforms."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
-    env.pop("WANDB_MODE", None)
+    base = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
+    base.pop("WANDB_MODE", None)
+    env = {**base, **(env or {})}
     flags = [a for a in args if a.startswith("-")]  # -m and friends go before the overrides
     overrides = [a for a in args if not a.startswith("-")]
     return subprocess.run([sys.executable, "-m", "hookexp", *flags, "trainer.progress=false", *overrides], cwd=cwd,

@@ -58,8 +58,8 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(workdir):
 
 
 def test_checkpoints_are_atomic_and_bad_ones_are_clear_errors(workdir):
-    from hookexp.run import checkpoint
     from hookexp.errors import ConfigError
+    from hookexp.run import checkpoint
 
     path = workdir / "checkpoints" / "last.pt"
     checkpoint.save(path, {"x": torch.ones(2)})

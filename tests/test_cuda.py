@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_module
 
 import hookexp.run.train as train_module
 from hookexp.engine import HookHandle
+from hookexp.run.train import train
 from hookexp.sinks import Sinks
 from hookexp.stats import Packed, StepStats
-from hookexp.run.train import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -143,7 +143,8 @@ def test_a_full_disk_is_one_paragraph_and_leaves_whole_lines_and_a_valid_summary
                  "hydra.run.dir=run")
     assert done.returncode == 2, done.stderr[-3000:]
     error = done.stderr.strip().splitlines()[-1]
-    assert error.startswith("hookexp: error: cannot write ") and "metrics.jsonl: the file size limit is reached" in error
+    assert error.startswith("hookexp: error: cannot write ")
+    assert "metrics.jsonl: the file size limit is reached" in error
     assert "Traceback" not in done.stderr
     metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()  # as many whole lines as fit, and no part of one
     assert 50_000 < len(metrics) <= 60_000 and metrics.endswith(b"\n")

@@ -30,9 +30,9 @@ def test_ranks_take_equal_disjoint_shares_and_validation_sees_every_example_once
         s = EpochSampler(11, shuffle=True, seed=0, rank=rank, world_size=3, drop_last=True)
         shares.append(list(s))
         assert len(s) == len(shares[-1]) == 3
-    assert sorted(sum(shares, [])) == sorted(perm[:9])  # trimmed to a multiple of the world size
+    assert sorted(i for share in shares for i in share) == sorted(perm[:9])  # trimmed to a multiple of the world size
     val = [list(EpochSampler(11, shuffle=False, seed=0, rank=r, world_size=3)) for r in range(3)]
-    assert sorted(sum(val, [])) == list(range(11)) and [len(v) for v in val] == [4, 4, 3]
+    assert sorted(i for v in val for i in v) == list(range(11)) and [len(v) for v in val] == [4, 4, 3]
 
 
 def loaders(workers: int = 0, ranks: Dist | None = None) -> Loaders:
@@ -48,7 +48,7 @@ def test_an_epoch_restarted_at_a_batch_gives_the_remaining_batches_exactly(worke
     full = [y.tolist() for _, y in data.epoch(3)]
     assert len(full) == data.batches_per_epoch() == 7
     assert [y.tolist() for _, y in data.epoch(3, start_batch=4)] == full[4:]
-    assert sorted(sum(full, [])) == list(range(50))
+    assert sorted(i for batch in full for i in batch) == list(range(50))
     assert full != [y.tolist() for _, y in data.epoch(4)]
     assert data.total_steps(epochs=2, max_steps=None, accumulate=3) == 2 * 3  # ceil(7 / 3) steps an epoch
     assert data.total_steps(epochs=2, max_steps=5, accumulate=1) == 5

@@ -183,13 +183,13 @@ class _Partial:
             raise _refused(e, self.fn, self.args, self.key) from None
 
 
-def instantiate(node: DictConfig | Mapping[str, Any], key: str, **given: Any) -> Any:
+def instantiate(node: DictConfig | Mapping[str, Any], key: str, *, later: Iterable[str] = (), **given: Any) -> Any:
     """Build ``node`` (a ``_target_`` mapping) with ``given`` added, naming ``key`` in every error: an unknown
     or ill-typed argument before the call, what the target raises after it (also when a ``_partial_`` result
-    is called later)."""
+    is called later, with the arguments named in ``later``)."""
     fn = _target(node, key)
     args = {str(k): v for k, v in node.items() if not str(k).startswith("_")}
-    check_arguments(fn, args, key, given)
+    check_arguments(fn, args, key, [*given, *later])
     try:
         made = hydra_instantiate(node, **given)
     except ConfigError:
@@ -255,6 +255,7 @@ class Parts:
     scheduler: Any
     task: Task
     loaders: Loaders
+    model_config: dict[str, Any]  # the model's arguments as built (``auto`` filled from the data)
     device: torch.device
     ranks: Dist
     total_steps: int
@@ -271,7 +272,7 @@ def build_task(cfg: DictConfig) -> Task:
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     if cfg.optim.get("_partial_"):
-        optimizer = instantiate(cfg.optim, "optim")(params=model.parameters())
+        optimizer = instantiate(cfg.optim, "optim", later=("params",))(params=model.parameters())
     else:
         optimizer = instantiate(cfg.optim, "optim", params=model.parameters())
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -309,7 +310,8 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
         raise ConfigError(f"must be at least 1, got {accumulate}.", key="trainer.accumulate")
     total_steps = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    return Parts(model, optimizer, scheduler, task, loaders, device, ranks, total_steps, accumulate)
+    return Parts(model, optimizer, scheduler, task, loaders, OmegaConf.to_container(model_cfg),  # type: ignore[arg-type]
+                 device, ranks, total_steps, accumulate)
 
 
 class MixedPrecision:

@@ -85,7 +85,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         ckpt.track(model=model, optimizer=optimizer, scheduler=parts.scheduler, scaler=amp, hooks=hooks,
                    telemetry=telemetry, files=local, records=records)
         loop = ckpt.restore(resumed) if resumed is not None else LoopState()
-        sinks = make_sinks(cfg, run_dir, hooks, local, resumed, ranks.world_size)
+        sinks = make_sinks(cfg, run_dir, hooks, local, resumed, parts)
     except BaseException:
         hooks.remove()
         if telemetry is not None:
@@ -224,11 +224,13 @@ def save_checkpoint(ckpt: Checkpointer, loop: LoopState, model: torch.nn.Module,
 
 
 def make_sinks(cfg: DictConfig, run_dir: Path, hooks: HookHandle, local: LocalFiles | None,
-               resumed: dict[str, Any] | None, world_size: int = 1) -> Any:
-    """The manifest first (so that even a failed run says what it was), then the local files and W&B."""
+               resumed: dict[str, Any] | None, parts: Parts) -> Any:
+    """The manifest first (so that even a failed run says what it was), then the local files and W&B. Both record
+    the config as run: the model's arguments as built (``auto`` filled from the data)."""
     if local is None:
         return NullSinks()
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = {**OmegaConf.to_container(cfg, resolve=True), "model": parts.model_config}  # type: ignore[dict-item]
+    world_size = parts.ranks.world_size
     manifest = {**build_manifest(config, hooks.table(), cfg.seed, Path.cwd()), "world_size": world_size}
     if resumed is not None:
         manifest["resumed_from_step"] = int(resumed["loop"]["step"])
