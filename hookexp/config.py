@@ -40,18 +40,6 @@ class HookSpecConfig:
 
 
 @dataclass
-class DataConfig:
-    name: str = MISSING
-    channels: int = MISSING
-    image_size: int = MISSING
-    num_classes: int = MISSING
-    batch_size: int = 64
-    eval_batch_size: int = 512
-    num_workers: int = 0  # DataLoader worker processes (seeded); 0 loads in the training process
-    dataset: dict[str, Any] = MISSING  # {_target_: hookexp.data.digits, ...}
-
-
-@dataclass
 class TrainerConfig:
     epochs: int = 10
     max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps
@@ -96,7 +84,7 @@ class ReproConfig:
 class HookexpConfig:
     seed: int = 0
     model: dict[str, Any] = MISSING
-    data: DataConfig = MISSING
+    data: dict[str, Any] = MISSING  # batch_size, ..., dataset: {_target_: hookexp.data.digits, ...}
     optim: dict[str, Any] = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Specs stay untyped here so that a new one can be added from the command line

@@ -31,6 +31,7 @@ from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from hookexp import checkpoint, distributed
+from hookexp.data import as_splits
 from hookexp.distributed import Dist
 from hookexp.engine import HookHandle, attach, explain_torch_error
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
@@ -100,6 +101,24 @@ def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
         raise ConfigError(f"could not build {target}: {type(cause).__name__}: {cause}.{hint}", key=key) from None
 
 
+def fill_auto(node: DictConfig, info: dict[str, Any], key: str = "model") -> None:
+    """Replace every ``auto`` in ``node`` (nested mappings too) by the data's value of the same name.
+
+    A bridge until the run layer's build does this; it writes into the config, so that the manifest and W&B
+    record the values the model was built with.
+    """
+    for name in list(node):
+        value = node[name]
+        if isinstance(value, DictConfig):
+            fill_auto(value, info, f"{key}.{name}")
+        elif isinstance(value, str) and value == "auto":
+            if name not in info:
+                given = ", ".join(sorted(info)) or "nothing"
+                raise ConfigError(f"is auto, but the data gives no {name!r} (it gives {given}). Set {key}.{name} to "
+                                  "a value.", key=f"{key}.{name}")
+            node[name] = info[name]
+
+
 def evaluate(model: torch.nn.Module, loader: Any, device: torch.device) -> dict[str, float]:
     model.eval()
     loss_sum = torch.zeros((), device=device)
@@ -135,7 +154,9 @@ def build_run(cfg: DictConfig, ranks: Dist | None = None, device: torch.device |
     ranks = ranks or Dist()
     seed_everything(cfg.seed, cfg.repro.deterministic)
     device = ranks.place(device or pick_device(cfg.trainer.device))
-    splits = build(cfg.data.dataset, "data.dataset")
+    splits = as_splits(build(cfg.data.dataset, "data.dataset"), cfg.data.get("val_fraction", 0.2),
+                       cfg.data.get("split_seed", 0))
+    fill_auto(cfg.model, splits.info)
     train_loader, val_loader = splits.loaders(cfg.data.batch_size, cfg.seed, cfg.data.eval_batch_size,
                                               cfg.data.num_workers, ranks.rank, ranks.world_size)
     model = build(cfg.model, "model").to(device)
