@@ -1,14 +1,56 @@
-"""The models the configs name. Each is an ``nn.Sequential`` with named children, so hook targets
-read like the architecture (``conv1``, ``relu1``, ``fc1.bias``) and globs such as ``conv*`` or
-``fc*.bias`` work across models. Input shape and class count come from the data config.
+"""The models the configs name, with module names a hook target can read.
+
+The image models are ``nn.Sequential``\\ s with named children (``conv1``, ``relu1``, ``fc1.bias``), so globs
+such as ``conv*`` or ``fc*.bias`` work across them. :class:`GPT` is a small decoder-only transformer written
+to be read and hooked (``blocks.N.attn``, ``blocks.N.mlp``); :func:`hf` builds a ``transformers`` model from a
+config mapping or a local folder. Data-derived arguments (``in_channels``, ``vocab_size``, ...) are ``auto``
+in conf/model and filled from the data's ``Splits.info`` by the run.
+
+A bad argument is a ValueError whose message starts with the parameter's name ("width must be at least 1,
+got 0"), so the run can name the config key (``model.width``) in front of it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from numbers import Integral, Real
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from hookexp.errors import ConfigError, did_you_mean
+
+# -- argument checks ----------------------------------------------------------------------------------------
+
+
+def _int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        hint = " (auto is filled from the data by a hookexp run; in Python give a number)" if value == "auto" else ""
+        raise ValueError(f"{name} must be an integer, got {value!r}{hint}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def _choice(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        names = [str(c) for c in choices]
+        raise ValueError(f"{name} must be one of {', '.join(names)}, got {value!r}.{did_you_mean(str(value), names)}")
+    return value
+
+
+def _fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+# -- image and tabular models -------------------------------------------------------------------------------
 
 
 class SmallCNN(nn.Sequential):
@@ -16,6 +58,10 @@ class SmallCNN(nn.Sequential):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 8, width: int = 16,
                  hidden: int = 64):
+        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("width", width),
+                            ("hidden", hidden)):
+            _int(name, value)
+        _int("image_size", image_size, 2)  # the 2x2 pooling needs two pixels a side
         pooled = image_size // 2
         super().__init__(OrderedDict([
             ("conv1", nn.Conv2d(in_channels, width, 3, padding=1)),
@@ -33,26 +79,34 @@ class SmallCNN(nn.Sequential):
 class MLP(nn.Sequential):
     """``depth`` linear layers of ``width`` units with ReLU between them (``fc1`` ... ``fc<depth>``).
 
-    ``init_std`` (when set) draws every weight from N(0, init_std^2) and zeroes the biases: a badly
-    initialised deep network for gradient-noise studies. ``norm="layer"`` puts a LayerNorm
-    (``norm<i>``) after every hidden linear layer.
+    The input is flattened: ``input_dim`` features (default ``in_channels * image_size**2``, an image's
+    pixels), ``output_dim`` outputs (default ``num_classes``); conf/model/mlp.yaml takes both from the data,
+    so one file fits images (classification) and tabular data (regression). ``init_std`` (when set) draws
+    every weight from N(0, init_std^2) and zeroes the biases: a badly initialised deep network for
+    gradient-noise studies. ``norm="layer"`` puts a LayerNorm (``norm<i>``) after every hidden linear layer.
     """
 
     def __init__(self, in_channels: int = 1, image_size: int = 8, num_classes: int = 10, depth: int = 3,
-                 width: int = 128, init_std: float | None = None, norm: str | None = None):
-        if norm not in (None, "layer"):
-            raise ValueError(f"model.norm must be null or 'layer', got {norm!r}")
-        if depth < 1:
-            raise ValueError(f"model.depth must be at least 1, got {depth}")
+                 width: int = 128, init_std: float | None = None, norm: str | None = None,
+                 input_dim: int | None = None, output_dim: int | None = None):
+        _choice("norm", norm, (None, "layer"))
+        for name, value in (("depth", depth), ("width", width)):
+            _int(name, value)
+        if input_dim is None:
+            fan_in = _int("in_channels", in_channels) * _int("image_size", image_size) ** 2
+        else:
+            fan_in = _int("input_dim", input_dim)
+        fan_out = _int("num_classes", num_classes) if output_dim is None else _int("output_dim", output_dim)
+        if init_std is not None and (isinstance(init_std, bool) or not isinstance(init_std, Real) or init_std <= 0):
+            raise ValueError(f"init_std must be a positive number or null, got {init_std!r}")
         layers: list[tuple[str, nn.Module]] = [("flatten", nn.Flatten())]
-        fan_in = in_channels * image_size * image_size
         for i in range(1, depth):
             layers.append((f"fc{i}", nn.Linear(fan_in, width)))
             if norm == "layer":
                 layers.append((f"norm{i}", nn.LayerNorm(width)))
             layers.append((f"relu{i}", nn.ReLU()))
             fan_in = width
-        layers.append((f"fc{depth}", nn.Linear(fan_in, num_classes)))
+        layers.append((f"fc{depth}", nn.Linear(fan_in, fan_out)))
         super().__init__(OrderedDict(layers))
         if init_std is not None:
             for m in self.modules():
@@ -63,9 +117,12 @@ class MLP(nn.Sequential):
 
 class SeedNet(nn.Sequential):
     """The network of the seed example: Conv2d(3, 10, k=2, s=2) -> ReLU -> flatten -> Linear(160, 5)
-    on 3x8x8 inputs (channels, classes and size follow the data config)."""
+    on 3x8x8 inputs (channels, classes and size follow the data)."""
 
     def __init__(self, in_channels: int = 3, num_classes: int = 5, image_size: int = 8):
+        _int("in_channels", in_channels)
+        _int("num_classes", num_classes)
+        _int("image_size", image_size, 2)  # the stride-2 conv needs two pixels a side
         side = image_size // 2
         super().__init__(OrderedDict([
             ("conv", nn.Conv2d(in_channels, 10, kernel_size=2, stride=2)),
@@ -86,6 +143,11 @@ class PatchTransformer(nn.Module):
     def __init__(self, in_channels: int = 1, image_size: int = 8, num_classes: int = 10, d_model: int = 128,
                  depth: int = 4, heads: int = 4, ff: int = 256):
         super().__init__()
+        for name, value in (("in_channels", in_channels), ("image_size", image_size), ("num_classes", num_classes),
+                            ("d_model", d_model), ("depth", depth), ("heads", heads), ("ff", ff)):
+            _int(name, value)
+        if d_model % heads:
+            raise ValueError(f"d_model must be divisible by heads, got d_model={d_model}, heads={heads}")
         self.embed = nn.Linear(in_channels * image_size, d_model)
         self.pos = nn.Parameter(torch.zeros(1, image_size, d_model))
         self.layers = nn.ModuleList(
@@ -100,3 +162,209 @@ class PatchTransformer(nn.Module):
         for layer in self.layers:
             tokens = layer(tokens)
         return self.head(self.norm(tokens).mean(dim=1))
+
+
+# -- GPT: a small decoder-only transformer ------------------------------------------------------------------
+
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: ``qkv`` (one Linear for queries, keys and values), attention by
+    ``F.scaled_dot_product_attention``, then ``proj``. ``proj``'s input is the heads side by side,
+    ``[B, T, n_head * head_dim]``, so a hook spec's ``select: {heads: [...], num_heads: H}`` on it acts on
+    single heads."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))
+        p = self.dropout if self.training else 0.0
+        if attention_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:  # key padding: a query sees earlier real tokens, and itself so that no row is empty (NaN)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            keep = causal & attention_mask.bool()[:, None, None, :] | torch.eye(t, dtype=torch.bool, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
+        y = y.transpose(1, 2).reshape(b, t, d)
+        return F.dropout(self.proj(y), p, self.training)
+
+
+class FeedForward(nn.Module):
+    """The block's MLP: ``fc`` (d_model -> d_mlp), ``act``, ``proj`` (d_mlp -> d_model)."""
+
+    def __init__(self, d_model: int, d_mlp: int, act: str = "gelu", dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.dropout = dropout
+        self.fc = nn.Linear(d_model, d_mlp, bias=bias)
+        self.act = ACTIVATIONS[act]()
+        self.proj = nn.Linear(d_mlp, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.proj(self.act(self.fc(x))), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, d_model: int, n_head: int, d_mlp: int, dropout: float, act: str, norm: str, bias: bool):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
+        self.ln2 = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
+        self.mlp = FeedForward(d_model, d_mlp, act, dropout, bias)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), attention_mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer (GPT-2's layout, as in nanoGPT), named for hook targets:
+
+    ``embed`` (tokens) and ``pos_embed`` (learned positions) -> ``blocks.N`` (``ln1``, ``attn``, ``ln2``,
+    ``mlp``) -> ``norm`` -> ``head`` (logits over the vocabulary). ``forward(input_ids [B, T],
+    attention_mask [B, T] | None) -> logits [B, T, vocab_size]``; ``attention_mask`` (1 = token, 0 = padding)
+    hides padded keys. Initialised like GPT-2: weights N(0, 0.02), the residual projections (``attn.proj``,
+    ``mlp.proj``) N(0, 0.02 / sqrt(2 * n_layer)) so the residual stream's variance does not grow with depth;
+    biases zero. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then listed once, as
+    ``embed.weight``, by ``named_parameters``).
+    """
+
+    def __init__(self, vocab_size: int, block_size: int = 128, n_layer: int = 4, n_head: int = 4, d_model: int = 256,
+                 d_mlp: int | None = None, dropout: float = 0.0, act: str = "gelu", norm: str = "layer",
+                 bias: bool = True, tie_weights: bool = False):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
+                            ("n_head", n_head), ("d_model", d_model)):
+            _int(name, value)
+        if d_model % n_head:
+            raise ValueError(f"d_model must be divisible by n_head, got d_model={d_model}, n_head={n_head}")
+        d_mlp = 4 * d_model if d_mlp is None else _int("d_mlp", d_mlp)
+        _fraction("dropout", dropout)
+        _choice("act", act, tuple(ACTIVATIONS))
+        _choice("norm", norm, ("layer", "none"))
+        self.block_size, self.dropout = block_size, dropout
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_embed = nn.Embedding(block_size, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_mlp, dropout, act, norm, bias) for _ in range(n_layer))
+        self.norm = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        if tie_weights:
+            self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        t = input_ids.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"input_ids has {t} positions, more than block_size={self.block_size}: give shorter "
+                             "sequences or a larger block_size")
+        x = self.embed(input_ids) + self.pos_embed(torch.arange(t, device=input_ids.device))
+        x = F.dropout(x, self.dropout, self.training)
+        for block in self.blocks:
+            x = block(x, attention_mask)
+        return self.head(self.norm(x))
+
+
+# -- transformers models ------------------------------------------------------------------------------------
+
+HF_KINDS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification",
+            "masked_lm": "AutoModelForMaskedLM", "base": "AutoModel"}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(f"model=hf needs transformers, which is not installed ({e}). Install the extra: pip install "
+                          "'hookexp[hf]'.", key="model") from None
+    return transformers
+
+
+def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
+    """A transformers config from a mapping, every field checked: transformers itself keeps unknown fields as
+    attributes, so a misspelt ``n_layers`` would silently build the default depth."""
+    import inspect
+
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"must be a mapping (model_type and its fields), got {config!r}.", key="model.config")
+    fields = _plain(config)
+    model_type = fields.pop("model_type", None)
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if model_type is None:
+        raise ConfigError("is missing: name the architecture, e.g. gpt2, llama or bert.",
+                          key="model.config.model_type")
+    if model_type not in known:
+        raise ConfigError(f"unknown model_type {model_type!r}.{did_you_mean(str(model_type), known)} It is one of "
+                          "transformers' CONFIG_MAPPING names (gpt2, llama, bert, ...).", key="model.config.model_type")
+    cls = transformers.CONFIG_MAPPING[model_type]
+    allowed = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    for klass in (cls, transformers.PretrainedConfig):
+        allowed |= set(inspect.signature(klass.__init__).parameters) - {"self", "kwargs"}
+    allowed |= {"num_labels"}
+    for name, value in fields.items():
+        if name not in allowed:
+            raise ConfigError(f"{cls.__name__} has no field {name!r}.{did_you_mean(name, allowed)}",
+                              key=f"model.config.{name}")
+        if value == "auto":
+            raise ConfigError("is auto, which a hookexp run fills from the data; in Python give a number.",
+                              key=f"model.config.{name}")
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def hf(config: dict[str, Any] | None = None, pretrained: str | None = None, kind: str = "causal_lm") -> nn.Module:
+    """A ``transformers`` model: from ``config`` (``model_type`` and its fields, e.g. ``{model_type: gpt2,
+    n_layer: 2, n_embd: 64, n_head: 4, vocab_size: 256, n_positions: 128}``; random weights, nothing
+    downloaded) or ``from_pretrained`` on a local folder (``pretrained``; ``local_files_only``).
+
+    ``kind`` picks the head: causal_lm, sequence_classification (``num_labels`` in the config), masked_lm or
+    base. The model takes ``input_ids``/``attention_mask``/``labels`` and returns a ``ModelOutput`` with
+    ``.logits``. Needs the extra ``hookexp[hf]``.
+    """
+    _choice_key("model.kind", kind, tuple(HF_KINDS))
+    if (config is None) == (pretrained is None):
+        raise ConfigError("give exactly one of model.config (a transformers config mapping) and model.pretrained (a "
+                          "local folder); to load a folder set model.config=null.", key="model")
+    transformers = _transformers()
+    auto = getattr(transformers, HF_KINDS[kind])
+    if pretrained is not None:
+        folder = Path(str(pretrained)).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"{str(pretrained)!r} is not a folder (looked in {folder.absolute().parent}). Give a "
+                              "folder written by save_pretrained; nothing is downloaded.", key="model.pretrained")
+        try:
+            return auto.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:
+            raise ConfigError(f"could not load a {kind} model from {folder}: {type(e).__name__}: {e}",
+                              key="model.pretrained") from None
+    hf_config = _hf_config(transformers, config)
+    try:
+        return auto.from_config(hf_config)
+    except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
+        raise ConfigError(f"{hf_config.model_type} has no {kind} model ({str(e).splitlines()[0]}). Use another "
+                          f"model.kind ({', '.join(HF_KINDS)}) or model_type.", key="model.kind") from None
+
+
+def _plain(value: Any) -> Any:
+    """Plain dicts and lists (Hydra passes nested config nodes), which transformers' configs serialise."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _choice_key(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown value {value!r}.{did_you_mean(str(value), choices)} Use one of "
+                          f"{', '.join(choices)}.", key=key)

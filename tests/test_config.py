@@ -14,6 +14,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from hookexp import validate
+from hookexp.data import as_splits
+from hookexp.train import fill_auto
 
 GROUPS = ("model", "data", "optim", "trainer", "hooks", "stats", "logger", "experiment")
 
@@ -34,17 +36,25 @@ def test_every_group_has_options():
         assert options(group), group
 
 
-@pytest.mark.parametrize("model", options("model"))
-@pytest.mark.parametrize("data", options("data"))
-def test_every_model_with_every_data_builds_and_steps(model, data):
+def built(cfg):
+    """The data and the model of ``cfg``, the model's ``auto`` arguments filled from the data."""
+    splits = as_splits(instantiate(cfg.data.dataset))
+    fill_auto(cfg.model, splits.info)
+    return splits, instantiate(cfg.model)
+
+
+# Token data and models (text_file, modular_addition, gpt, hf, ...): tests/test_data.py and tests/test_models.py.
+@pytest.mark.parametrize("model", ["small_cnn", "mlp", "seed_net", "transformer"])
+@pytest.mark.parametrize("data", ["digits", "synthetic"])
+def test_every_image_model_with_every_image_data_builds_and_steps(model, data):
     cfg = compose("config", overrides=[f"model={model}", f"data={data}"])
-    splits = instantiate(cfg.data.dataset)
-    net = instantiate(cfg.model)
+    splits, net = built(cfg)
     opt = instantiate(cfg.optim)(params=net.parameters())
     x, y = next(iter(splits.loaders(cfg.data.batch_size, 0)[0]))
-    assert x.shape[1:] == (cfg.data.channels, cfg.data.image_size, cfg.data.image_size)
+    info = splits.info
+    assert x.shape[1:] == (info["in_channels"], info["image_size"], info["image_size"])
     logits = net(x)
-    assert logits.shape == (len(y), cfg.data.num_classes)
+    assert logits.shape == (len(y), info["num_classes"])
     torch.nn.functional.cross_entropy(logits, y).backward()
     opt.step()
 
@@ -52,14 +62,14 @@ def test_every_model_with_every_data_builds_and_steps(model, data):
 @pytest.mark.parametrize("optim", options("optim"))
 def test_every_optimizer(optim):
     cfg = compose("config", overrides=[f"optim={optim}"])
-    opt = instantiate(cfg.optim)(params=instantiate(cfg.model).parameters())
+    opt = instantiate(cfg.optim)(params=built(cfg)[1].parameters())
     assert type(opt).__name__ == cfg.optim._target_.rsplit(".", 1)[1]
 
 
 @pytest.mark.parametrize("hooks", options("hooks"))
 def test_every_hook_set_passes_the_dry_run_on_the_default_model(hooks):
     cfg = compose("config", overrides=[f"hooks={hooks}"])
-    net = instantiate(cfg.model)
+    net = built(cfg)[1]
     opt = instantiate(cfg.optim)(params=net.parameters())
     specs = OmegaConf.to_container(cfg.hooks, resolve=True)
     batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
@@ -116,9 +126,9 @@ def test_typos_fail_at_compose(override, pattern):
 def test_every_experiment_composes_and_passes_the_dry_run(experiment):
     cfg = compose("config", overrides=[f"experiment={experiment}"])
     assert cfg.logger.group == experiment  # each study groups its W&B runs
-    net = instantiate(cfg.model)
+    splits, net = built(cfg)
     opt = instantiate(cfg.optim)(params=net.parameters())
-    train_loader, _ = instantiate(cfg.data.dataset).loaders(cfg.data.batch_size, 0)
+    train_loader, _ = splits.loaders(cfg.data.batch_size, 0)
     report = validate(net, OmegaConf.to_container(cfg.hooks, resolve=True), next(iter(train_loader)), opt)
     assert report.ok and report.rows, report.errors
 
