@@ -20,7 +20,7 @@ from pathlib import Path
 import matplotlib
 from hydra import compose, initialize_config_module
 
-from hookexp.train import train
+from hookexp.run.train import train
 
 matplotlib.use("Agg")
 import matplotlib.pyplot

@@ -10,14 +10,15 @@ import torch
 from conftest import has_module
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from hookexp import validate
-from hookexp.data import as_splits
-from hookexp.train import fill_auto
+from hookexp.run.build import build
+from hookexp.run.distributed import Dist
+from hookexp.run.loaders import to_device
+from hookexp.validate import validate
 
-GROUPS = ("model", "data", "optim", "trainer", "hooks", "stats", "logger", "experiment")
+GROUPS = ("task", "model", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger", "experiment")
+CPU = torch.device("cpu")
 
 
 def options(group: str) -> list[str]:
@@ -36,44 +37,61 @@ def test_every_group_has_options():
         assert options(group), group
 
 
-def built(cfg):
-    """The data and the model of ``cfg``, the model's ``auto`` arguments filled from the data."""
-    splits = as_splits(instantiate(cfg.data.dataset))
-    fill_auto(cfg.model, splits.info)
-    return splits, instantiate(cfg.model)
+def one_step(*overrides: str) -> float:
+    """Build the job the overrides describe and train one step of it; returns the loss."""
+    cfg = compose("config", overrides=["trainer.max_steps=1", *overrides])
+    parts = build(cfg, Dist(), CPU)
+    batch = to_device(next(parts.loaders.epoch(0)), CPU)
+    loss = parts.task.loss(parts.task.forward(parts.model, batch), batch)
+    loss.backward()
+    parts.optimizer.step()
+    if parts.scheduler is not None:
+        parts.scheduler.step()
+    assert torch.isfinite(loss)
+    return loss.item()
 
 
-# Token data and models (text_file, modular_addition, gpt, hf, ...): tests/test_data.py and tests/test_models.py.
-@pytest.mark.parametrize("model", ["small_cnn", "mlp", "seed_net", "transformer"])
-@pytest.mark.parametrize("data", ["digits", "synthetic"])
-def test_every_image_model_with_every_image_data_builds_and_steps(model, data):
-    cfg = compose("config", overrides=[f"model={model}", f"data={data}"])
-    splits, net = built(cfg)
-    opt = instantiate(cfg.optim)(params=net.parameters())
-    x, y = next(iter(splits.loaders(cfg.data.batch_size, 0)[0]))
-    info = splits.info
-    assert x.shape[1:] == (info["in_channels"], info["image_size"], info["image_size"])
-    logits = net(x)
-    assert logits.shape == (len(y), info["num_classes"])
-    torch.nn.functional.cross_entropy(logits, y).backward()
-    opt.step()
+# Every task with every model and data it fits. torchvision and hf_disk need their packages and local files:
+# tests/test_data.py covers them.
+TEXT = ["data=text_file", "data.path=${oc.env:HOOKEXP_TEST_TEXT}", "data.block_size=16"]
+JOBS = {
+    **{f"classification-{m}-{d}": [f"model={m}", f"data={d}"]
+       for m in ("small_cnn", "mlp", "seed_net", "transformer") for d in ("digits", "synthetic")},
+    "classification-gpt-modular_addition": ["model=gpt", "data=modular_addition", "data.p=11"],
+    "causal_lm-gpt-text_file": ["task=causal_lm", "model=gpt", *TEXT],
+    "causal_lm-hf-text_file": ["task=causal_lm", "model=hf", *TEXT],
+    "regression-mlp-synthetic_regression": ["task=regression", "model=mlp", "data=synthetic_regression"],
+}
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_every_task_with_every_model_and_data_it_fits_builds_and_steps(job, tmp_path, monkeypatch):
+    if "-hf-" in job:
+        pytest.importorskip("transformers")
+    text = tmp_path / "text.txt"
+    text.write_text("hookexp trains what researchers study. " * 20)
+    monkeypatch.setenv("HOOKEXP_TEST_TEXT", str(text))
+    one_step(*JOBS[job])
+
+
+def test_every_model_and_data_option_is_in_a_job():
+    used = {o.split("=")[1] for job in JOBS.values() for o in job if o.startswith(("model=", "data=", "task="))}
+    assert set(options("model")) <= used and set(options("task")) - used == {"classification"}  # the default
+    assert set(options("data")) - used == {"torchvision", "hf_disk"}
 
 
 @pytest.mark.parametrize("optim", options("optim"))
-def test_every_optimizer(optim):
-    cfg = compose("config", overrides=[f"optim={optim}"])
-    opt = instantiate(cfg.optim)(params=built(cfg)[1].parameters())
-    assert type(opt).__name__ == cfg.optim._target_.rsplit(".", 1)[1]
+@pytest.mark.parametrize("scheduler", options("scheduler"))
+def test_every_optimizer_with_every_schedule(optim, scheduler):
+    one_step(f"optim={optim}", f"scheduler={scheduler}")
 
 
 @pytest.mark.parametrize("hooks", options("hooks"))
 def test_every_hook_set_passes_the_dry_run_on_the_default_model(hooks):
     cfg = compose("config", overrides=[f"hooks={hooks}"])
-    net = built(cfg)[1]
-    opt = instantiate(cfg.optim)(params=net.parameters())
+    parts = build(cfg, Dist(), CPU)
     specs = OmegaConf.to_container(cfg.hooks, resolve=True)
-    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
-    report = validate(net, specs, batch, opt)
+    report = validate(parts.model, specs, next(parts.loaders.epoch(0)), parts.optimizer)
     assert report.ok, report.errors
     assert [r["spec"] for r in report.rows] == list(specs)
     assert all(r["targets"] and r["calls_per_step"] > 0 for r in report.rows), report.rows
@@ -89,7 +107,7 @@ def test_hook_sets_merge_and_tune():
     assert list(cfg.hooks) == ["zero_fc_bias"]
 
 
-@pytest.mark.parametrize("group", ["trainer", "stats", "logger"])
+@pytest.mark.parametrize("group", ["trainer", "stats", "logger", "guard"])
 def test_every_option_of_plain_groups_composes(group):
     for option in options(group):
         cfg = compose("config", overrides=[f"{group}={option}"])
@@ -126,10 +144,9 @@ def test_typos_fail_at_compose(override, pattern):
 def test_every_experiment_composes_and_passes_the_dry_run(experiment):
     cfg = compose("config", overrides=[f"experiment={experiment}"])
     assert cfg.logger.group == experiment  # each study groups its W&B runs
-    splits, net = built(cfg)
-    opt = instantiate(cfg.optim)(params=net.parameters())
-    train_loader, _ = splits.loaders(cfg.data.batch_size, 0)
-    report = validate(net, OmegaConf.to_container(cfg.hooks, resolve=True), next(iter(train_loader)), opt)
+    parts = build(cfg, Dist(), CPU)
+    report = validate(parts.model, OmegaConf.to_container(cfg.hooks, resolve=True), next(parts.loaders.epoch(0)),
+                      parts.optimizer)
     assert report.ok and report.rows, report.errors
 
 

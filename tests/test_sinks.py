@@ -36,7 +36,8 @@ def test_histograms_get_their_own_file_and_a_resume_keeps_the_counted_lines(tmp_
     for step in range(3):
         hist = {"grad/w/hist": (np.array([1.0, step]), np.array([0.0, 0.5, 1.0]))}  # as StepStatsResult gives them
         files.log({"x": float(step)}, step, hist if step != 1 else None)
-    counted = dict(files.lines)
+    assert files.lines == {"metrics.jsonl": 0, "histograms.jsonl": 0}  # lines count once they are on the disk
+    counted = files.state_dict()["lines"]  # what a checkpoint keeps: flushed and synced first
     files.log({"x": 9.0}, 3, {"grad/w/hist": ([0.0, 2.0], [0.0, 1.0, 2.0])})  # after the checkpoint: dropped
     files.close()
     assert counted == {"metrics.jsonl": 3, "histograms.jsonl": 2}
@@ -51,3 +52,20 @@ def test_histograms_get_their_own_file_and_a_resume_keeps_the_counted_lines(tmp_
     assert len(lines(tmp_path / "a" / "metrics.jsonl")) == 1 and lines(tmp_path / "a" / "histograms.jsonl") == []
     resumed = LocalFiles(tmp_path / "b")
     assert resumed.lines == counted
+
+
+def test_a_resume_in_place_keeps_the_counted_lines_and_drops_a_torn_one(tmp_path: Path):
+    files = LocalFiles(tmp_path)
+    for step in range(4):
+        files.log({"x": float(step)}, step)
+    state = files.state_dict()
+    files.log({"x": 9.0}, 4)
+    files.close()
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"trainer/step": 5, "x": 1.')  # what a kill inside a write leaves
+    resumed = LocalFiles(tmp_path)
+    resumed.load_state_dict(state)
+    resumed.log({"x": 4.5}, 4)
+    resumed.close()
+    assert [r["x"] for r in lines(tmp_path / "metrics.jsonl")] == [0.0, 1.0, 2.0, 3.0, 4.5]
+    assert resumed.lines["metrics.jsonl"] == 5

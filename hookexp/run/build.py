@@ -206,16 +206,25 @@ def _unpartial(fn: Any) -> Any:
 
 
 def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str) -> DictConfig:
-    """A copy of ``node`` with every ``auto`` value taken from the data's ``info``."""
-    out = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
-    for name, value in list(out.items()):
-        if value == "auto":
-            if name not in info:
-                known = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict))) or "nothing"
-                raise ConfigError(f"is 'auto', but the data does not say it (the data gives: {known}). Set it: "
-                                  f"{key}.{name}=<value>.", key=f"{key}.{name}")
-            out[name] = info[name]
-    return out
+    """A copy of ``node`` with every ``auto`` value (also in nested mappings, e.g. ``model.config.vocab_size``)
+    taken from the data's ``info``."""
+
+    def fill(values: dict[str, Any], where: str) -> None:
+        for name, value in values.items():
+            if isinstance(value, dict):
+                fill(value, f"{where}.{name}")
+            elif value == "auto":
+                if name not in info:
+                    known = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict))) \
+                        or "nothing"
+                    raise ConfigError(f"is 'auto', but the data does not say it (the data gives: {known}). Set it: "
+                                      f"{where}.{name}=<value>.", key=f"{where}.{name}")
+                values[name] = info[name]
+
+    values = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(values, dict)
+    fill(values, key)
+    return OmegaConf.create(values)
 
 
 def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) -> DictConfig:

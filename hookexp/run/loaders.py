@@ -234,7 +234,8 @@ def make_loaders(data: DictConfig, seed: int, ranks: Dist, device: torch.device)
 
     check_data_config(data)
     made = instantiate(data.dataset, "data.dataset")
-    splits = as_splits(made, data.get("val_fraction"), data.get("split_seed", 0) or 0, key="data.dataset")
+    fraction = data.get("val_fraction")
+    splits = as_splits(made, 0.2 if fraction is None else fraction, data.get("split_seed", 0) or 0, key="data.dataset")
     collate = splits.collate_fn
     if data.get("collate_fn") is not None:
         collate = instantiate(data.collate_fn, "data.collate_fn")
