@@ -53,6 +53,25 @@ def check_config(cfg: DictConfig) -> None:
                                   key=f"{group}.{key}")
 
 
+def check_hook_files(config_name: str, overrides: list[str]) -> None:
+    """Two selected hook files that define the same spec name would be merged by Hydra, the later silently
+    winning: refuse that, naming both files."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    owner: dict[str, str] = {}
+    for default in loader.compute_defaults_list(config_name, overrides, RunMode.RUN).defaults:
+        path = default.config_path or ""
+        if not path.startswith("hooks/"):
+            continue
+        for name in loader.repository.load_config(path).config:  # type: ignore[union-attr]
+            if name in owner:
+                raise ConfigError(f"spec {name!r} is defined by two hook files, {owner[name]}.yaml and {path}.yaml; "
+                                  "Hydra would merge them and the second would silently replace the first. Rename "
+                                  "the spec in one of them (a spec name is unique in a run).", key=f"hooks.{name}")
+            owner[str(name)] = path
+
+
 def apply_ablation(cfg: DictConfig) -> None:
     """``+ablate=NAME``: disable spec NAME; ``none`` keeps every spec, ``all`` disables every spec."""
     target = cfg.get("ablate")
@@ -87,9 +106,10 @@ def run(cfg: DictConfig) -> Any:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     check_config(cfg)
+    overrides = list(hc.overrides.task)
+    check_hook_files(hc.job.config_name, overrides)
     apply_ablation(cfg)
     _sweep_defaults(cfg)
-    overrides = list(hc.overrides.task)
     from hookexp.run.train import dry_run, train  # torch is imported only once the config is checked
 
     log.info("run directory: %s", run_dir)

@@ -276,8 +276,18 @@ class WandbSink:
         if run_id is not None:  # a resumed run continues its W&B run
             kwargs.update(id=run_id, resume="allow")
         mode = cfg.get("mode", "offline")
+        timeout = float(cfg.get("init_timeout", 30.0))
+        if mode == "online":
+            base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+            if not _answers(base_url, timeout):  # never start an online run that would hang init and the exit
+                warnings.warn(f"the W&B server {base_url} did not answer within logger.init_timeout={timeout:g} s; "
+                              f"logging offline under {run_dir}/wandb instead. Upload later with `wandb sync`.",
+                              RuntimeWarning, stacklevel=2)
+                mode = "offline"
+                # W&B's own telemetry exporter would wait on the same server at exit (~10 s with wandb 0.31)
+                os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         try:
-            settings = wandb.Settings(init_timeout=float(cfg.get("init_timeout", 30.0)))
+            settings = wandb.Settings(init_timeout=timeout)
             self.run = wandb.init(mode=mode, settings=settings, **kwargs)
         except Exception as e:
             if mode != "online":
@@ -336,6 +346,20 @@ class WandbSink:
         for k, v in summary.items():
             self.run.summary[k] = v
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def _answers(url: str, timeout: float) -> bool:
+    """Whether an HTTP server answers at ``url`` within ``timeout`` seconds (any status counts)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered, if only to refuse
+    except (OSError, ValueError):
+        return False
 
 
 class NullSinks:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up for the quick start: a virtual environment in .venv with hookexp installed (editable), its
-# dev tools, the sweep plugins (Optuna, joblib, submitit) and numba (fast CPU statistics). Runs once;
-# again when pyproject.toml changes.
+# dev tools, the sweep plugins (Optuna, joblib, submitit), transformers/datasets (model=hf, data=hf_disk) and
+# lightning (the Lightning callback), so that every optional feature's tests run. Runs once; again when
+# pyproject.toml changes.
 #   - torch is installed first, as the CPU wheel by default (a plain `torch` requirement would pull a
 #     multi-GB CUDA build). Bring your own build with HOOKEXP_TORCH="torch==X.Y.Z" (or install torch
 #     into .venv yourself before running this): an importable torch is never replaced.
@@ -19,6 +20,6 @@ echo "hookexp: setting up $venv (once) ..." >&2
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet "${HOOKEXP_TORCH:-torch==2.13.0}"
 fi
-"$venv/bin/python" -m pip install --quiet -e "$root[dev,sweeps,fast]"
+"$venv/bin/python" -m pip install --quiet -e "$root[dev,sweeps,fast,hf,lightning]"
 echo "$want" > "$stamp"
 echo "hookexp: set-up done." >&2

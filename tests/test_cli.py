@@ -176,16 +176,28 @@ def test_without_wandb_the_local_files_are_still_written(args, workdir):
     assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 2, 2]
 
 
-def test_unreachable_wandb_server_falls_back_to_offline_and_training_goes_on(workdir, monkeypatch):
-    # a closed port on this machine: nothing listens on 127.0.0.1:9 (discard)
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
-    done = run_cli(["logger.mode=online", "logger.init_timeout=3", "trainer.max_steps=3", "hydra.run.dir=run"],
-                   workdir)
+def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes_on_offline(workdir):
+    """Issue 20.14: a server that accepts connections and never answers used to cost ~20 s before training and
+    ~26 s at exit with init_timeout=5; now init_timeout bounds the whole wait (a liveness bound, not a speed test)."""
+    import socket
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
+    env = {"WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}", "WANDB_API_KEY": "a" * 40}
+    started = time.monotonic()
+    done = run_cli(["logger.mode=online", "logger.init_timeout=2", "trainer.max_steps=3", "hydra.run.dir=run"],
+                   workdir, env=env)
+    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "W&B online init failed" in done.stderr and "logging offline under" in done.stderr
+    assert "did not answer within logger.init_timeout=2 s; logging offline under" in done.stderr
     run = wandb_summary(workdir / "run")
     assert run["state"] == "finished" and run["summary"]["trainer/steps"] == 3
+    assert elapsed < 30, elapsed
 
 
 def test_unknown_wandb_mode_is_refused(workdir):

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_module
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.train import train
 
-STOP = "+hooks.stop={target:fc2,kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
+STOP = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
 BASE = ["trainer.max_steps=40", "stats.every=3", "stats.hist_bins=4", "hooks=[grad_noise,record_activations]",
         "hooks.record_activations.every=7", "trainer.accumulate=2", "scheduler=cosine", "scheduler.warmup_steps=4"]
 
@@ -61,7 +61,7 @@ def interrupted_then_resumed(tmp_path: Path, stop_at: int, *overrides: str, base
 def test_sigterm_mid_epoch_then_resume_equals_the_uninterrupted_run_and_keeps_the_records(tmp_path):
     """Issue 20.4 (records) and 20.6 (data workers): with 2 workers the data order after the checkpoint is the
     uninterrupted run's, and records made before the checkpoint survive."""
-    straight, cut = interrupted_then_resumed(tmp_path, 16, "data.num_workers=2")
+    straight, cut = interrupted_then_resumed(tmp_path, 16, "data.num_workers=2")  # 23 batches an epoch: mid-epoch
     same_results(straight, cut)
     a = torch.load(straight / "records" / "record_activations.pt", weights_only=True)
     b = torch.load(cut / "records" / "record_activations.pt", weights_only=True)
@@ -69,6 +69,20 @@ def test_sigterm_mid_epoch_then_resume_equals_the_uninterrupted_run_and_keeps_th
     steps = [r["step"] for r in b]  # 3 ReLUs, each called once per micro-batch (accumulate=2)
     assert sorted(set(steps)) == [0, 7, 14, 21, 28, 35] and steps.count(7) == 6
     assert all(torch.equal(x["value"], y["value"]) for x, y in zip(a, b, strict=True))
+
+
+def test_a_language_model_on_a_text_file_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
+    """Issue 17's acceptance: SIGTERM mid-epoch, accumulate=2, a cosine schedule, causal_lm on the gpt model."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i}: hooks change what a network learns.\n" for i in range(60)))
+    lm = ["task=causal_lm", "model=gpt", "model.n_layer=1", "model.d_model=32", "data=text_file",
+          f"data.path={text}", "data.block_size=32", "data.batch_size=8", "trainer.accumulate=2", "scheduler=cosine",
+          "scheduler.warmup_steps=3", "trainer.max_steps=24", "stats.every=4", "stats.hist_bins=4", "hooks=none"]
+    straight, cut = interrupted_then_resumed(tmp_path, 7, base=lm)
+    same_results(straight, cut)
+    rows = read_jsonl(cut / "metrics.jsonl")
+    assert {"train/ppl", "grad/blocks.0.attn.qkv.weight/norm"} <= set(rows[0])
+    assert any("val/ppl" in r for r in rows)
 
 
 def test_fp16_resume_keeps_the_grad_scaler_and_its_statistics(tmp_path):

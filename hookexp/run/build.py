@@ -228,9 +228,9 @@ def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str) -> DictConfig
 
 
 def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) -> DictConfig:
-    """When the command line replaced a group's ``_target_`` (``model._target_=mynet.Net``), keys the new target
-    does not take that came from the group's default file are dropped (logged); keys the user set stay and are
-    checked. Without the command line (the Python API) nothing is dropped."""
+    """When the command line replaced a node's ``_target_`` (``model._target_=mynet.Net``,
+    ``data.dataset._target_=mynet.make``), keys the new target does not take that came from the group's config
+    file are dropped (logged); keys the user set stay and are checked. Without a command line, nothing is dropped."""
     if overrides is None:
         return node
     set_here = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
@@ -271,29 +271,33 @@ class Parts:
     accumulate: int
 
 
-def build_task(cfg: DictConfig) -> Task:
-    task = instantiate(cfg.task, "task")
+def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
+    task = instantiate(drop_inherited(cfg.task, "task", overrides), "task")
     if not isinstance(task, Task):
         raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.tasks.Task. Subclass "
                           "hookexp.tasks.Task (override loss, and sums/metric_names for more metrics).", key="task")
     return task
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if cfg.optim.get("_partial_"):
-        optimizer = instantiate(cfg.optim, "optim", later=("params",))(params=model.parameters())
+def build_optimizer(cfg: DictConfig, model: torch.nn.Module, overrides: list[str] | None = None
+                    ) -> torch.optim.Optimizer:
+    node = drop_inherited(cfg.optim, "optim", overrides)
+    if node.get("_partial_"):
+        optimizer = instantiate(node, "optim", later=("params",))(params=model.parameters())
     else:
-        optimizer = instantiate(cfg.optim, "optim", params=model.parameters())
+        optimizer = instantiate(node, "optim", params=model.parameters())
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"{cfg.optim._target_} did not give a torch optimizer (got {type(optimizer).__name__}). "
                           "Use a torch.optim class with _partial_: true (the trainer passes params).", key="optim")
     return optimizer
 
 
-def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int,
+                    overrides: list[str] | None = None) -> Any:
     node = cfg.get("scheduler")
     if node is None or node.get("_target_") is None:
         return None
+    node = drop_inherited(node, "scheduler", overrides)
     fn = _unpartial(_target(node, "scheduler"))
     params, any_kw = _parameters(fn)
     given = {"optimizer": optimizer}
@@ -306,19 +310,19 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     """Seed, then build data, model, task, optimizer and schedule on ``device``."""
     seed_everything(cfg.seed, cfg.repro.deterministic)
     set_threads(cfg.trainer.num_threads)
-    task = build_task(cfg)
-    loaders = make_loaders(cfg.data, cfg.seed, ranks, device)
+    task = build_task(cfg, overrides)
+    loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
     model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model")
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{model_cfg._target_} built a {type(model).__name__}, not a torch.nn.Module.", key="model")
     model = model.to(device)
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, overrides)
     accumulate = cfg.trainer.accumulate
     if accumulate < 1:
         raise ConfigError(f"must be at least 1, got {accumulate}.", key="trainer.accumulate")
     total_steps = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
-    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    scheduler = build_scheduler(cfg, optimizer, total_steps, overrides)
     return Parts(model, optimizer, scheduler, task, loaders, OmegaConf.to_container(model_cfg),  # type: ignore[arg-type]
                  device, ranks, total_steps, accumulate)
 

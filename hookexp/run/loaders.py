@@ -226,14 +226,15 @@ def check_data_config(data: DictConfig) -> None:
                           "data.dataset._target_=my_pkg.make_data.", key="data.dataset")
 
 
-def make_loaders(data: DictConfig, seed: int, ranks: Dist, device: torch.device) -> Loaders:
+def make_loaders(data: DictConfig, seed: int, ranks: Dist, device: torch.device, overrides: list[str] | None = None
+                 ) -> Loaders:
     """Build the data sets (``data.dataset``), normalise them (:func:`hookexp.data.as_splits`) and the collate
     function, checked before anything loads."""
     from hookexp.data import as_splits
-    from hookexp.run.build import instantiate
+    from hookexp.run.build import drop_inherited, instantiate
 
     check_data_config(data)
-    made = instantiate(data.dataset, "data.dataset")
+    made = instantiate(drop_inherited(data.dataset, "data.dataset", overrides), "data.dataset")
     fraction = data.get("val_fraction")
     splits = as_splits(made, 0.2 if fraction is None else fraction, data.get("split_seed", 0) or 0, key="data.dataset")
     collate = splits.collate_fn
