@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset
 
 from hookexp.errors import ConfigError, did_you_mean
 
@@ -53,15 +53,6 @@ def whole_batch(batch: Any) -> Any:
     return batch
 
 
-def seed_worker(worker_id: int) -> None:
-    """Seed python's and numpy's generators in a DataLoader worker from torch's per-worker seed."""
-    import random
-
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
-
-
 @dataclass
 class Splits:
     """The training and validation sets of a run, what the data tells the model, and how to batch it.
@@ -76,26 +67,6 @@ class Splits:
     val: Any
     info: dict[str, Any] = field(default_factory=dict)
     collate_fn: Callable | None = None
-
-    def loaders(self, batch_size: int, seed: int, eval_batch_size: int = 512, num_workers: int = 0,
-                rank: int = 0, world_size: int = 1) -> tuple[DataLoader, DataLoader]:
-        """A seeded shuffling loader for training and an ordered one for validation.
-
-        Kept for today's trainer (the run layer builds its own loaders). The shuffling order comes from a
-        generator seeded with ``seed``; workers get torch seeds derived from it, python/numpy seeds by
-        :func:`seed_worker`.
-        """
-        gen = torch.Generator().manual_seed(seed)
-        workers = {"num_workers": num_workers, "worker_init_fn": seed_worker, "persistent_workers": num_workers > 0,
-                   "collate_fn": self.collate_fn}
-        sampler = None
-        if world_size > 1:  # each rank its own shard of every epoch; the epoch is set by the trainer
-            sampler = DistributedSampler(self.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                         drop_last=True)
-        train = DataLoader(self.train, batch_size=batch_size, shuffle=sampler is None, sampler=sampler, generator=gen,
-                           **workers)
-        val = DataLoader(self.val, batch_size=eval_batch_size, shuffle=False, **workers)
-        return train, val
 
 
 # -- normalising what a factory returns ---------------------------------------------------------------------

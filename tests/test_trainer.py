@@ -179,6 +179,13 @@ def test_unknown_nan_policy_and_precision_are_refused_and_detach_the_hooks(tmp_p
     ("trainer.accumulate=0", r"^trainer\.accumulate: must be at least 1, got 0\."),
     ("trainer.clip_grad_norm=-1", r"^trainer\.clip_grad_norm: must be a positive norm"),
     ("trainer.num_threads=0", r"^trainer\.num_threads: must be at least 1"),
+    ("optim.lr=-1", r"^optim\.lr: SGD refused its arguments: ValueError: Invalid learning rate: -1\. Fix optim\.lr"),
+    ("+optim.momentm=0.9", r"^optim\.momentm: SGD has no parameter 'momentm'\. Did you mean 'momentum'\?"),
+    ("model.width=0", r"^model\.width: SmallCNN refused its arguments: ValueError: width must be at least 1, got 0"),
+    ("data.batch_size=0", r"^data\.batch_size: expected an integer >= 1, got 0\."),
+    ("data.val_fraction=1.5", r"^data\.val_fraction: expected a fraction in \[0, 1\)"),
+    ("data.dataset._target_=collections.OrderedDict", r"^data\.dataset: returned a mapping with keys "),
+    ("model.in_channels=abc", r"^model\.in_channels: .*abc"),
 ])
 def test_bad_settings_are_refused_before_training(tmp_path: Path, override: str, message: str):
     with pytest.raises(ConfigError, match=message):
