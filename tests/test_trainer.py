@@ -306,3 +306,19 @@ def test_repro_deterministic_is_set_for_each_run_not_kept_from_the_last():
         assert not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+class Empty(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def empty_data():
+    return Empty(), Empty()
+
+
+def test_an_iterable_data_set_that_yields_nothing_is_an_error_not_a_hang(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"^data\.dataset: the training set gave no batch in a whole epoch"):
+        train(config("data.dataset._target_=test_trainer.empty_data", "~data.dataset.val_fraction",
+                     "~data.dataset.split_seed", "trainer.max_steps=3", "model=mlp", "model.input_dim=4",
+                     "model.output_dim=2"), tmp_path)

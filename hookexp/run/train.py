@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from hookexp.engine import HookHandle, attach, explain_torch_error
-from hookexp.errors import HookCheckError
+from hookexp.errors import ConfigError, HookCheckError
 from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
 from hookexp.run.build import MixedPrecision, Parts, build, pick_device, wrap
@@ -139,6 +139,9 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
                 amp.backward(loss / micro)
             telemetry.add(*task.sums(output, batch, loss))
             taken += 1
+        if not taken and not loop.batch:
+            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
+                              "one that yields nothing). Check the data factory.", key="data.dataset")
         loop.batch += taken
         if taken:
             amp.unscale(optimizer)  # pre_step specs, the guard and the statistics see true gradients
