@@ -8,27 +8,25 @@ The library API (no Hydra, no W&B)::
         model(x).sum().backward()
     hooks.stats()
 
-The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`.
+The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`. Names load on first use (PEP 562),
+so ``import hookexp`` and the CLI's ``--help`` import no torch.
 """
 
-from hookexp.engine import HookHandle, attach
-from hookexp.errors import (
-    ConfigError,
-    HookCheckError,
-    HookCompatibilityError,
-    HookexpError,
-    HookRuntimeError,
-    SpecError,
-    TargetError,
-    TransformArgsError,
-    TransformOutputError,
-)
-from hookexp.kinds import KINDS, register_kind
-from hookexp.specs import HookSpec, parse_specs
-from hookexp.transforms import TRANSFORMS, HookContext, Record, register_transform
-from hookexp.validate import ValidationReport, validate
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    **dict.fromkeys(("HookHandle", "attach", "validate", "ValidationReport", "match", "KINDS", "register_kind",
+                     "HookSpec", "parse_specs", "TRANSFORMS", "HookContext", "Record", "Transform",
+                     "register_transform", "register_transform_alias", "register_aliases"), "hookexp.engine"),
+    **dict.fromkeys(("ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError",
+                     "RegistryError", "SpecError", "SpecErrors", "TargetError", "TransformArgsError",
+                     "TransformOutputError", "HookWarning"), "hookexp.errors"),
+}
 
 __all__ = [
     "KINDS",
@@ -40,16 +38,70 @@ __all__ = [
     "HookHandle",
     "HookRuntimeError",
     "HookSpec",
+    "HookWarning",
     "HookexpError",
     "Record",
+    "RegistryError",
     "SpecError",
+    "SpecErrors",
     "TargetError",
+    "Transform",
     "TransformArgsError",
     "TransformOutputError",
     "ValidationReport",
     "attach",
+    "match",
     "parse_specs",
+    "register_aliases",
     "register_kind",
     "register_transform",
+    "register_transform_alias",
     "validate",
 ]
+
+if TYPE_CHECKING:
+    from hookexp.engine import (
+        KINDS,
+        TRANSFORMS,
+        HookContext,
+        HookHandle,
+        HookSpec,
+        Record,
+        Transform,
+        ValidationReport,
+        attach,
+        match,
+        parse_specs,
+        register_aliases,
+        register_kind,
+        register_transform,
+        register_transform_alias,
+        validate,
+    )
+    from hookexp.errors import (
+        ConfigError,
+        HookCheckError,
+        HookCompatibilityError,
+        HookexpError,
+        HookRuntimeError,
+        HookWarning,
+        RegistryError,
+        SpecError,
+        SpecErrors,
+        TargetError,
+        TransformArgsError,
+        TransformOutputError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hookexp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

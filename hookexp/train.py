@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from hookexp import checkpoint, distributed
 from hookexp.distributed import Dist
-from hookexp.engine import HookHandle, attach, explain_torch_error
+from hookexp.engine import HookHandle, attach, explain_torch_error, validate
 from hookexp.errors import ConfigError, HookCheckError, did_you_mean
 from hookexp.guard import NonFiniteGuard
 from hookexp.guard import as_dict as guard_summary
@@ -41,7 +41,6 @@ from hookexp.meter import TrainMeter
 from hookexp.plots import plot_grad_norms
 from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger
 from hookexp.stats import StepStats
-from hookexp.validate import validate
 
 log = logging.getLogger("hookexp.train")
 

@@ -23,9 +23,9 @@ def test_full_backward_hook_before_an_inplace_relu_is_refused_with_the_reason():
     report = validate(model, {"bw": {"target": "embed", "kind": "backward", "transform": "identity"}}, batch())
     assert not report.ok
     (error,) = report.errors
-    assert error.startswith("hooks.bw: an in-place op modified the input or output of a module with a full "
-                            "backward hook (spec(s) bw)")
-    assert "Use kind 'output_grad' or 'node'" in error
+    assert error.startswith("hooks.bw.kind: an in-place op modified the output of 'embed' (kind 'backward') after "
+                            "its forward")
+    assert "Use kind 'output_grad' (or 'node') for this target" in error
     assert report.rows[0]["warnings"] == ["not reached: the batch stopped at an error below"]
 
 

@@ -37,3 +37,8 @@ def slow(x, ctx, seconds: float = 0.003):
 
     time.sleep(seconds)
     return x
+
+
+def torch_error(x, ctx):
+    """Raises torch's own RuntimeError (a shape mismatch) inside the hook."""
+    return x + torch.ones(x.numel() + 1)

@@ -1,17 +1,18 @@
 """Check hook specs on one real batch before training: ``validate()`` and ``+dry_run=true``.
 
-Static checks (names, kinds, arguments, frozen parameters, in-place modules next to full backward
-hooks) already run in ``attach``. What only a real forward/backward can show is checked here, with
-every schedule bypassed so that windowed specs are checked too: torch's in-place error around full
-backward hooks (named by spec), transforms that change shape/dtype/device or write in place, specs
-that never fire (and why), and modules called several times per forward. The model is left as found:
-no optimizer step, gradients reset, training mode restored, the hooks removed.
+Static checks (names, kinds, arguments, aliases, frozen parameters, in-place modules next to full
+backward hooks) already run in ``attach``. What only a real forward/backward can show is checked here,
+with every schedule bypassed so that windowed specs are checked too: torch's in-place error around full
+backward hooks (named by spec and target), transforms that change shape/dtype/device or write in place,
+specs whose transform saw no tensor at a target, specs that never fire (and why), and modules called
+several times per forward. The model is left as found: no optimizer step, gradients reset, training
+mode restored, the hooks removed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookexp.engine import HookHandle, SpecBinding, attach, explain_torch_error
+from hookexp.engine import values
+from hookexp.engine.binding import SpecBinding
+from hookexp.engine.handle import HookHandle, attach
+from hookexp.engine.schema import SpecsLike
 from hookexp.errors import HookexpError
-from hookexp.specs import SpecsLike
 
 
 @dataclass
 class ValidationReport:
-    """One row per spec (spec, kind, transform, targets, calls per step, warnings) and the errors."""
+    """One row per spec (spec, kind, transform, targets, what an alias became, calls per step, warnings)
+    and the errors."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -46,6 +50,8 @@ class ValidationReport:
         for r in self.rows:
             targets = ", ".join(r["targets"]) if len(r["targets"]) <= 6 else (
                 ", ".join(r["targets"][:5]) + f", ... ({len(r['targets'])} in all)")
+            if r.get("alias"):
+                targets = f"{r['alias']}: {targets}"
             table.add_row(r["spec"], r["kind"], r["transform"], targets or "-",
                           str(r["calls_per_step"]), "; ".join(r["warnings"]) or "-")
         console = Console(width=140, record=True, force_terminal=False)
@@ -58,66 +64,91 @@ class ValidationReport:
         return cap.get()
 
 
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        for key in ("loss", "logits"):
+            if isinstance(output.get(key), torch.Tensor):
+                return output[key]
+    for _, v in values.elements(output):
+        if isinstance(v, torch.Tensor):
+            return v
+    raise TypeError(f"the model returned {type(output).__name__} without a tensor; pass validate(..., loss_fn=...)")
+
+
 def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
     if loss_fn is not None:
         return loss_fn(output, target) if target is not None else loss_fn(output)
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    out = _first_tensor(output)
     if target is not None and not target.is_floating_point():
-        return F.cross_entropy(output, target)
+        return F.cross_entropy(out, target)
     if target is not None:
-        return F.mse_loss(output, target)
-    return output.float().sum()
+        return F.mse_loss(out, target)
+    return out.float().sum()
 
 
-def _inputs(batch: Any) -> Any:
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
+def _forward(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
 
 def validate(model: nn.Module, specs: SpecsLike, example_batch: Any, optimizer: torch.optim.Optimizer | None = None,
-             loss_fn: Callable[..., torch.Tensor] | None = None) -> ValidationReport:
-    """Run one forward/backward on ``example_batch`` (``x`` or ``(x, y)``) with the specs attached.
+             loss_fn: Callable[..., torch.Tensor] | None = None, *,
+             forward: Callable[[nn.Module, Any], Any] | None = None) -> ValidationReport:
+    """Run one forward/backward on ``example_batch`` with the specs attached.
 
-    Static mistakes raise (as in ``attach``); what the run finds is in the report's ``errors`` and
-    per-spec ``warnings``. The loss is ``loss_fn(output, y)``, else cross-entropy for integer labels,
-    MSE for float targets, or ``output.sum()``. ``pre_step`` specs run on the gradients (given an
-    optimizer) without an optimizer step.
+    ``example_batch``: ``x``, ``(x, y)`` or a mapping of keyword inputs (``model(**batch)``); ``forward(model,
+    batch)`` overrides how the model is called. Static mistakes raise (as in ``attach``); what the run
+    finds is in the report's ``errors`` and per-spec ``warnings``. The loss is ``loss_fn(output, y)``
+    (or ``loss_fn(output)``), else the output's ``loss``, else cross-entropy for integer labels, MSE for
+    float targets, or the sum of the output (its ``logits`` or first tensor). ``pre_step`` specs run on
+    the gradients (given an optimizer) without an optimizer step.
     """
     report = ValidationReport()
     was_training = model.training
+    call = forward or _forward
     handle = attach(model, specs, optimizer, measure=False)
-    handle.clock.ignore_schedule = True
     try:
-        train_pass = _train_pass(model, handle, example_batch, optimizer, loss_fn, report)
-        eval_calls = _eval_pass(model, handle, example_batch, report)
+        with handle.unscheduled():
+            train_pass = _train_pass(model, handle, example_batch, call, loss_fn, report)
+            eval_calls = _eval_pass(model, handle, example_batch, call, report)
     finally:
         handle.remove()
         model.train(was_training)
         model.zero_grad(set_to_none=True)
     for b in handle.bindings:
-        report.rows.append(_row(b, train_pass[b.spec.name], eval_calls.get(b.spec.name, 0), bool(report.errors)))
+        row = _row(b, train_pass[b.spec.name], eval_calls.get(b.spec.name, 0), bool(report.errors))
+        report.rows.append(row)
+        report.errors.extend(_saw_nothing(b))
     return report
 
 
-def _train_pass(model: nn.Module, handle: HookHandle, batch: Any, optimizer: torch.optim.Optimizer | None,
+def _train_pass(model: nn.Module, handle: HookHandle, batch: Any, call: Callable[[nn.Module, Any], Any],
                 loss_fn: Callable[..., torch.Tensor] | None, report: ValidationReport) -> dict[str, Counter[str]]:
     """One forward/backward in train mode; returns each spec's calls per target."""
     model.train()
     try:
-        loss = _loss(model(_inputs(batch)), batch, loss_fn)
+        loss = _loss(call(model, batch), batch, loss_fn)
         loss.backward()
-        if optimizer is not None and handle._pre_step:
-            handle._run_pre_step(optimizer, (), {})
+        if handle.has_pre_step:
+            handle.apply_pre_step()
     except HookexpError as e:
         report.errors.append(str(e))
     except RuntimeError as e:
-        explained = explain_torch_error(e, handle)
+        explained = handle.explain(e)
         if explained is None:
             raise
         report.errors.append(str(explained))
     return {b.spec.name: Counter(b.calls_by_target) for b in handle.bindings}
 
 
-def _eval_pass(model: nn.Module, handle: HookHandle, batch: Any, report: ValidationReport) -> dict[str, int]:
+def _eval_pass(model: nn.Module, handle: HookHandle, batch: Any, call: Callable[[nn.Module, Any], Any],
+               report: ValidationReport) -> dict[str, int]:
     """A no-grad forward in eval mode, for specs with phase eval or both; returns their calls."""
     if all(b.spec.phase == "train" for b in handle.bindings):
         return {}
@@ -125,10 +156,21 @@ def _eval_pass(model: nn.Module, handle: HookHandle, batch: Any, report: Validat
     model.eval()
     try:
         with torch.no_grad():
-            model(_inputs(batch))
+            call(model, batch)
     except HookexpError as e:
         report.errors.append(str(e))
     return {b.spec.name: b.calls - before[b.spec.name] for b in handle.bindings}
+
+
+def _saw_nothing(b: SpecBinding) -> list[str]:
+    empty = [s for s in b.sites if s.calls and s.empty == s.calls]
+    if not empty:
+        return []
+    where = ", ".join(f"{s.name!r} ({s.empty_why})" for s in empty[:4]) + (" ..." if len(empty) > 4 else "")
+    fix = ("check the forward() parameter name and that the caller passes it" if b.spec.input is not None else
+           "check index / the kind (grad_input of a first layer is None)")
+    return [f"hooks.{b.spec.name}: the transform saw no tensor at {where}, so the hook would do nothing there; "
+            f"{fix}."]
 
 
 def _row(b: SpecBinding, train_calls: Counter[str], eval_calls: int, stopped: bool) -> dict[str, Any]:
@@ -153,4 +195,5 @@ def _row(b: SpecBinding, train_calls: Counter[str], eval_calls: int, stopped: bo
         end = spec.end_step if spec.end_step is not None else "end"
         warnings.append(f"acts on steps [{spec.start_step}, {end}) every {spec.every}; checked here regardless")
     return {"spec": spec.name, "kind": spec.kind, "transform": b.transform.name,
-            "targets": [t.name for t in b.targets], "calls_per_step": calls, "warnings": warnings}
+            "targets": [t.name for t in b.targets], "alias": b.alias.describe() if b.alias else None,
+            "calls_per_step": calls, "warnings": warnings}
