@@ -109,3 +109,20 @@ def test_specs_may_be_hookspecs_and_lists():
     specs = parse_specs([{"target": "conv1", "kind": "forward"}, HookSpec(name="h", target="fc1", kind="forward",
                                                                           select={"dim": 1, "index": 0})])
     assert [s.name for s in specs] == ["forward:conv1", "h"] and specs[1].select == {"dim": 1, "index": 0}
+
+
+def test_the_readme_says_what_the_registries_hold():
+    from hookexp.engine import ALIASES, TRANSFORMS
+
+    readme = (TESTS.parent / "README.md").read_text()
+    for name, doc in KIND_DOCS.items():  # the kinds table, row for row
+        assert f"| `{name}` | {doc.on} | {doc.stage} | `{doc.torch_api}` | {doc.sees} |" in readme, name
+    section = readme[readme.index("**Transforms**"):readme.index("Hook sets in `conf/hooks/`")]
+    for name, info in TRANSFORMS.items():
+        assert (f"**{name}**" in section) == (info.alias_of is not None), name  # aliases marked as aliases
+        assert name in section, name
+    table = readme[readme.index("| alias | GPT-2"):readme.index("The Llama entry")]
+    for entry in ALIASES.values():
+        for rel in list(entry.aliases.values()) + list(entry.outer.values()):
+            for one in (rel,) if isinstance(rel, str) else (rel if isinstance(rel, tuple) else ()):
+                assert f"`{one}`" in table, (entry.name, one)
