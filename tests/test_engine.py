@@ -233,7 +233,7 @@ def train_steps(model, opt, steps, x):
         opt.step()
 
 
-def test_by_default_effects_are_measured_every_10th_step(monkeypatch):
+def test_by_default_effects_are_measured_on_step_0_and_after_each_stats_read(monkeypatch):
     measured = count_measures(monkeypatch)
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)), torch.randn(5, 3)
@@ -244,13 +244,18 @@ def test_by_default_effects_are_measured_every_10th_step(monkeypatch):
         assert hooks.measuring
         train_steps(model, opt, 1, x)
         assert not hooks.measuring and hooks.step == 1
-        train_steps(model, opt, 11, x)
-        stats = hooks.stats()
-    assert measured == [0] * 5 + [10] * 5  # steps 0 and 10: one forward output, four parameters
-    assert stats["c"]["calls"] == 12 and stats["p"]["calls"] == 48 and "change_norm" in stats["c"]
+        train_steps(model, opt, 4, x)
+        first = hooks.stats()  # at step 5: step 0's effects; and step 5 will be measured
+        assert hooks.measuring
+        train_steps(model, opt, 3, x)
+        second = hooks.stats()
+        third = hooks.stats()  # nothing ran since the last read: calls only
+    assert measured == [0] * 5 + [5] * 5  # one forward output and four parameters, on steps 0 and 5
+    assert first["c"]["calls"] == 5 and first["p"]["calls"] == 20 and "change_norm" in first["c"]
+    assert "change_norm" in second["p"] and "change_norm" not in third["p"]
 
 
-@pytest.mark.parametrize(("measure", "steps"), [(True, list(range(6))), (False, []), (3, [0, 3])])
+@pytest.mark.parametrize(("measure", "steps"), [(True, list(range(6))), (False, []), (3, [0, 3]), ("read", [0])])
 def test_measure_true_false_or_every_n(monkeypatch, measure, steps):
     measured = count_measures(monkeypatch)
     model, x = nn.Linear(3, 2), torch.randn(4, 3)
@@ -269,11 +274,11 @@ def test_measured_steps_give_the_numbers_of_always_measuring():
     model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
     spec = {"c": {"target": "1", "kind": "forward", "transform": "clamp", "args": {"min": -0.2, "max": 0.3}}}
     results = []
-    for measure in (True, 10):
+    for measure in (True, "read", 10):
         with attach(model, spec, measure=measure) as hooks:
             model(x).sum().backward()
             results.append(hooks.stats())
-    assert results[0] == results[1] and results[0]["c"]["frac_changed"] > 0
+    assert results[0] == results[1] == results[2] and results[0]["c"]["frac_changed"] > 0
 
 
 def test_unchanged_tensors_are_measured_without_tensor_ops():

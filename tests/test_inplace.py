@@ -94,3 +94,24 @@ def test_torch_errors_inside_hooks_name_the_spec():
                 pytest.raises(HookRuntimeError, match=name + rf"target '{target}' \(kind '{kind}'\) at step 0: "
                                                       r"RuntimeError: .*size"):
             model(x).sum().backward()
+
+
+def test_an_input_modified_in_place_after_the_module_is_explained():
+    class Reuse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = x * 2.0
+            y = self.a(h)
+            h.mul_(2)  # the input of `a`, modified after `a` ran: torch raises in backward
+            return self.b(y) + h.sum()
+
+    model = Reuse()
+    with attach(model, {"bw": {"target": "a", "kind": "backward"}}) as hooks, pytest.raises(RuntimeError) as e:
+        model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert str(hooks.explain(e.value)).startswith("hooks.bw.kind: an in-place op modified an input of 'a' (kind "
+                                                  "'backward') after its forward")
+    report = validate(model, {"bw": {"target": "a", "kind": "backward"}}, torch.randn(2, 3, requires_grad=True))
+    assert report.errors[0].startswith("hooks.bw.kind: an in-place op modified an input of 'a'")

@@ -114,20 +114,17 @@ def find_architecture(model: nn.Module) -> tuple[AliasEntry, str, nn.Module] | N
     return None
 
 
-class AliasProblem(LookupError):
-    """Why an alias cannot be resolved; the caller turns it into a TargetError or ConfigError."""
-
-
 def expand(model: nn.Module, alias: str, on: Literal["module", "parameter"]) -> Resolved:
-    """Resolve ``@name`` for ``model``; raises :class:`AliasProblem` with a one-paragraph message."""
+    """Resolve ``@name`` for ``model``; raises ``LookupError`` with a one-paragraph message, which the caller
+    turns into the error of the setting it resolves (a hook spec's TargetError, another key's ConfigError)."""
     key = alias.removeprefix("@")
     if key not in known_aliases():
-        raise AliasProblem(f"unknown alias {alias!r}.{did_you_mean('@' + key, ['@' + a for a in known_aliases()])} "
+        raise LookupError(f"unknown alias {alias!r}.{did_you_mean('@' + key, ['@' + a for a in known_aliases()])} "
                            f"Aliases: {', '.join('@' + a for a in known_aliases())}.")
     found = find_architecture(model)
     if found is None:
         known = "; ".join(f"{e.name} ({', '.join(e.classes) or 'by structure'})" for e in ALIASES.values())
-        raise AliasProblem(
+        raise LookupError(
             f"{type(model).__name__} is not in the alias table, so {alias!r} means nothing for it (entries: {known}). "
             f"Add an entry before attaching: hookexp.engine.register_aliases('my_model', classes=["
             f"'{type(model).__name__}'], aliases={{'blocks': 'layers.N', 'attn': 'layers.N.attn', 'mlp': "
@@ -150,12 +147,12 @@ def expand(model: nn.Module, alias: str, on: Literal["module", "parameter"]) -> 
                 full = cand
                 break
         else:
-            raise AliasProblem(f"{alias!r} names {' or '.join(repr(c) for c in options)} around the {entry.name} base "
+            raise LookupError(f"{alias!r} names {' or '.join(repr(c) for c in options)} around the {entry.name} base "
                                f"module {base or '(root)'!r}, and {type(model).__name__} has no such module (a base "
                                "model without an output head).")
     else:
         note = entry.notes.get(key, "")
-        raise AliasProblem(f"{alias!r} has no meaning for {type(module).__name__} (alias table entry "
+        raise LookupError(f"{alias!r} has no meaning for {type(module).__name__} (alias table entry "
                            f"{entry.name!r}){': ' + note if note else ''}. Its aliases: "
                            f"{', '.join('@' + a for a in entry.names())}.")
     return Resolved(alias, entry.name, full, _regex(full, on))

@@ -11,11 +11,13 @@ never over modules or tensors; the handle keeps the model through a weak referen
 detached copies. So a handle cannot keep a model or an autograd graph alive.
 
 Cost: measuring what a hook did (norm of the change, cosine, fraction changed) costs a few tensor ops
-per hooked tensor, so it follows a schedule, as the trainer's statistics do: by default on every 10th
-step (steps 0, 10, 20, ...; the step advances with ``optimizer.step()`` when ``attach`` has the
-optimizer, or with :meth:`HookHandle.set_step`). Between those steps a hook costs what a hand-written
-hook costs. ``measure=True`` measures every call, ``measure=False`` never (until ``handle.measuring``
-is set, which is what the trainer does on its log steps). This module imports neither Hydra nor W&B.
+per hooked tensor, so it follows a schedule and a hook otherwise costs what a hand-written hook costs.
+By default (``measure="read"``) the effects of step 0 are measured, and of the step after each
+``stats()`` read: a loop that reads the stats every k steps measures one step in k, and one that never
+reads them pays for one step. ``measure=N`` measures every N-th step (the trainer's log steps:
+0, N, 2N, ...), ``measure=True`` every call, ``measure=False`` only while ``handle.measuring`` is set
+(what the trainer does). The step advances with ``optimizer.step()`` when ``attach`` has the optimizer,
+or with :meth:`HookHandle.set_step`. This module imports neither Hydra nor W&B.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -37,7 +39,7 @@ from hookexp.engine.targets import resolve
 from hookexp.engine.transforms import HookContext, Record, bind_transform
 from hookexp.errors import ConfigError, HookCompatibilityError, HookexpError, HookRuntimeError
 
-DEFAULT_MEASURE_EVERY = 10
+Measure = Literal["read"] | bool | int
 _FULL_BACKWARD = ("backward", "backward_pre")
 
 
@@ -57,20 +59,16 @@ class _PreStepEntry:
 class HookHandle:
     """The hooks one ``attach`` call added. Use as a context manager, or call :meth:`remove`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, measure: bool | int = True,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, measure: Measure = True,
                  probe: bool = False):
-        if isinstance(measure, bool):
-            every = 1 if measure else None
-        elif isinstance(measure, int) and measure >= 1:
-            every = measure
-        else:
-            raise ConfigError(f"expected True, False or a positive number of steps, got {measure!r}.",
+        if not (measure == "read" or isinstance(measure, bool) or (isinstance(measure, int) and measure >= 1)):
+            raise ConfigError(f"expected 'read', True, False or a positive number of steps, got {measure!r}.",
                               key="attach(measure=...)")
         self._model = weakref.ref(model)
         self.optimizer = optimizer
-        self.measure_every = every
+        self.measure = measure
         self.probe = probe
-        self.clock = Clock(measuring=every is not None)
+        self.clock = Clock(measuring=measure is not False)
         self.bindings: list[SpecBinding] = []
         self._torch_handles: list[Any] = []
         self._pre_step: list[Site] = []
@@ -120,13 +118,19 @@ class HookHandle:
         for b in self.bindings:
             b.end_step()
         self.clock.step = step
-        if self.measure_every is not None:
-            self.clock.measuring = step % self.measure_every == 0
+        self._schedule()
         self._refresh()
 
     def advance(self, *_: Any) -> None:
         """Move to the next training step (the optimizer's post-step hook calls it)."""
         self.set_step(self.clock.step + 1)
+
+    def _schedule(self) -> None:
+        """Measuring for a new step: "read" turns it off until the next stats() read; N: every N-th step."""
+        if self.measure == "read":
+            self.clock.measuring = False
+        elif self.measure is not True and self.measure is not False:
+            self.clock.measuring = self.clock.step % self.measure == 0
 
     @property
     def measuring(self) -> bool:
@@ -259,6 +263,8 @@ class HookHandle:
         """:meth:`stats` in two halves, so that a caller can read the device values together with its
         own: the values (on the device; None when nothing was measured) and what turns them, read
         back as a list, into the dict :meth:`stats` returns."""
+        if self.measure == "read":
+            self.measuring = True  # the rest of this step and the next (the usual read: after optimizer.step())
         if self.probe:
             for b in self.bindings:
                 b.effects(reset=True)
@@ -322,8 +328,10 @@ class HookHandle:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clock.step = int(state["step"])
-        if self.measure_every is not None:
-            self.clock.measuring = self.clock.step % self.measure_every == 0
+        if self.measure == "read":
+            self.clock.measuring = True  # a resumed loop's first step is measured, as attach's is
+        else:
+            self._schedule()
         for b in self.bindings:
             saved = state["specs"].get(b.spec.name)
             if saved is None:
@@ -363,8 +371,9 @@ class HookHandle:
         others = [f"{s.name!r} ({s.binding.spec.name})" for s in ran[1:]]
         also = f"; modules with full backward hooks that ran before it: {', '.join(others)}" if others else ""
         b = culprit.binding
+        what = "an input" if "its base" in text else "the output"  # torch's words for a base modified in place
         return HookCompatibilityError(
-            f"an in-place op modified the output of {culprit.name!r} (kind {b.spec.kind!r}) after its forward"
+            f"an in-place op modified {what} of {culprit.name!r} (kind {b.spec.kind!r}) after its forward"
             f"{' (the last full-backward-hooked module to run before the error' + also + ')' if ran else ''}, "
             "which torch forbids around full backward hooks. Use kind 'output_grad' (or 'node') for this target, "
             "or make the in-place op out of place (nn.ReLU(inplace=False); out = out + identity instead of "
@@ -459,14 +468,15 @@ def explain_torch_error(exc: BaseException, hooks: HookHandle) -> HookexpError |
 
 
 def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer | None = None, *,
-           measure: bool | int = DEFAULT_MEASURE_EVERY, probe: bool = False) -> HookHandle:
+           measure: Measure = "read", probe: bool = False) -> HookHandle:
     """Attach hook specs to ``model``; returns the :class:`HookHandle` that owns them.
 
     ``specs``: a mapping ``{name: spec}``, a list of specs, or one :class:`HookSpec`; a spec's transform
     may be a registry name, ``{_target_: ...}``, or (here) any callable or :class:`Transform`.
     ``optimizer`` is needed by ``pre_step`` specs and makes the step counter advance after every
-    ``optimizer.step()``. ``measure``: measure hook effects on every N-th step (an int; default 10),
-    on every call (True) or only while ``handle.measuring`` is set (False). ``probe``: a handle for
+    ``optimizer.step()``. ``measure``: when hook effects are measured: ``"read"`` (default) step 0 and the
+    step after each ``stats()`` read, N every N-th step, True every call, False only while
+    ``handle.measuring`` is set. ``probe``: a handle for
     instruments (statistics): its transforms act only while ``handle.measuring`` is on, it measures
     no effects and appears in no stats or tables. Every spec is parsed, resolved and checked before
     anything is attached; all static errors are raised together.

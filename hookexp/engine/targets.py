@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookexp.engine.aliases import AliasProblem, Resolved, expand
+from hookexp.engine.aliases import Resolved, expand
 from hookexp.engine.schema import HookSpec
 from hookexp.errors import ConfigError, HookexpError, SpecError, TargetError, did_you_mean
 
@@ -125,7 +125,7 @@ def _predicate(model: nn.Module, pattern: str, what: TargetKind, spec: str | Non
     if pattern.startswith("@"):
         try:
             resolved = expand(model, pattern, what)
-        except AliasProblem as e:
+        except LookupError as e:
             raise fail(f"target {pattern!r}: {e}", field) from None
         rx = re.compile(resolved.regex)
         return (lambda name: rx.search(name) is not None), resolved

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from hookexp.errors import did_you_mean
+
 Key = int | str
 
 
@@ -70,8 +72,6 @@ def locate(value: Any, index: Key) -> Key | None:
     if isinstance(value, (tuple, list)) and not _is_namedtuple(value):
         raise LookupError(f"index {index!r} is a name, and the value is a {what}, indexed by position")
     if index not in keys:
-        from hookexp.errors import did_you_mean
-
         raise LookupError(f"the {what} has no element {index!r}.{did_you_mean(index, [str(k) for k in keys])} "
                           f"Its elements: {', '.join(map(str, keys))}")
     return keys.index(index) if _is_namedtuple(value) else index
