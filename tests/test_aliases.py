@@ -48,6 +48,8 @@ def test_an_alias_an_architecture_lacks_says_why():
                                    "feed-forward inline")
     with pytest.raises(TargetError, match=r"'@blocks' has no meaning for SmallCNN .* a classifier without blocks"):
         attach(SmallCNN(), {"b": {"target": "@blocks", "kind": "forward"}})
+    with attach(SmallCNN(), {"b": {"target": "@blocks", "kind": "forward", "optional": True}}) as hooks:
+        assert hooks.table()[0]["targets"] == [] and hooks.table()[0]["alias"] == "@blocks = (none) (hookexp.smallcnn)"
 
 
 def test_an_unknown_model_is_an_error_that_says_how_to_add_an_entry():

@@ -145,3 +145,20 @@ def test_forward_pre_on_a_model_called_with_inputs_embeds():
         out = model(inputs_embeds=embeds).logits
         assert hooks.stats()["e"]["calls"] == 1
     assert torch.equal(out, model(inputs_embeds=torch.zeros_like(embeds)).logits) and not torch.equal(out, base)
+
+
+def test_bert_resolves_the_same_hook_set_and_its_missing_norm_is_optional():
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  vocab_size=50, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(cfg)
+    specs = {**HOOK_SET, "norm": {**HOOK_SET["norm"], "optional": True}}
+    report = validate(model, specs, torch.randint(0, 50, (2, 8)), torch.optim.SGD(model.parameters(), lr=0.1))
+    assert report.ok, report.errors
+    rows = {r["spec"]: r for r in report.rows}
+    assert rows["attn"]["targets"] == ["bert.encoder.layer.0.attention.self", "bert.encoder.layer.1.attention.self"]
+    assert rows["mlp"]["alias"] == "@mlp = bert.encoder.layer.N.intermediate (bert)"
+    # the decoder's parameters are tied: the weight to the input embedding, the bias to cls.predictions.bias
+    assert rows["unembed"]["targets"] == ["bert.embeddings.word_embeddings.weight", "cls.predictions.bias"]
+    assert rows["norm"]["targets"] == [] and rows["norm"]["alias"] == "@norm = (none) (bert)"
+    assert all(rows[k]["calls_per_step"] > 0 for k in HOOK_SET if k != "norm"), rows

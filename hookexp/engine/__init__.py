@@ -4,7 +4,7 @@ Other layers (the trainer, telemetry, integrations) use the engine only through 
 Importing this package imports no torch (its names load on first use), so that the torch-free schema
 (:mod:`hookexp.engine.schema`) serves the CLI's help and the Hydra schema.
 
-    attach(model, specs, optimizer=None, *, measure=10, probe=False) -> HookHandle
+    attach(model, specs, optimizer=None, *, measure="read", probe=False) -> HookHandle
     validate(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
     match(model, pattern, on="module" | "parameter", key="stats.grads") -> [(name, module or parameter)]
     register_transform / register_transform_alias / register_kind / register_aliases (decorators/functions)

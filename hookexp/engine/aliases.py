@@ -114,9 +114,11 @@ def find_architecture(model: nn.Module) -> tuple[AliasEntry, str, nn.Module] | N
     return None
 
 
-def expand(model: nn.Module, alias: str, on: Literal["module", "parameter"]) -> Resolved:
+def expand(model: nn.Module, alias: str, on: Literal["module", "parameter"], missing_ok: bool = False) -> Resolved:
     """Resolve ``@name`` for ``model``; raises ``LookupError`` with a one-paragraph message, which the caller
-    turns into the error of the setting it resolves (a hook spec's TargetError, another key's ConfigError)."""
+    turns into the error of the setting it resolves (a hook spec's TargetError, another key's ConfigError).
+    ``missing_ok`` (a spec with ``optional: true``): an alias the model's architecture lacks names nothing, so
+    that one portable hook set runs on architectures without, say, a final norm."""
     key = alias.removeprefix("@")
     if key not in known_aliases():
         raise LookupError(f"unknown alias {alias!r}.{did_you_mean('@' + key, ['@' + a for a in known_aliases()])} "
@@ -147,10 +149,14 @@ def expand(model: nn.Module, alias: str, on: Literal["module", "parameter"]) -> 
                 full = cand
                 break
         else:
+            if missing_ok:
+                return Resolved(alias, entry.name, "(none)", r"(?!)")
             raise LookupError(f"{alias!r} names {' or '.join(repr(c) for c in options)} around the {entry.name} base "
                                f"module {base or '(root)'!r}, and {type(model).__name__} has no such module (a base "
                                "model without an output head).")
     else:
+        if missing_ok:
+            return Resolved(alias, entry.name, "(none)", r"(?!)")
         note = entry.notes.get(key, "")
         raise LookupError(f"{alias!r} has no meaning for {type(module).__name__} (alias table entry "
                            f"{entry.name!r}){': ' + note if note else ''}. Its aliases: "

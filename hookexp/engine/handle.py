@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -74,7 +75,9 @@ class HookHandle:
         self._pre_step: list[Site] = []
         self._groups: list[tuple[tuple[Any, ...] | None, list[Site]]] | None = None
         self._pre_step_hook: Any = None
-        self._ran: list[Site] = []  # full-backward-hooked modules run in the current forward, in order
+        # full-backward-hooked modules run in the current forward, in order (bounded: a submodule called on its
+        # own never passes the root's pre-hook that clears it)
+        self._ran: deque[Site] = deque(maxlen=64)
         self._outer_exc: BaseException | None = None
         self.removed = False
 

@@ -121,10 +121,10 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
 
 
 def _predicate(model: nn.Module, pattern: str, what: TargetKind, spec: str | None, field: str,
-               fail: _Errors) -> tuple[Callable[[str], bool], Resolved | None]:
+               fail: _Errors, optional: bool = False) -> tuple[Callable[[str], bool], Resolved | None]:
     if pattern.startswith("@"):
         try:
-            resolved = expand(model, pattern, what)
+            resolved = expand(model, pattern, what, missing_ok=optional)
         except LookupError as e:
             raise fail(f"target {pattern!r}: {e}", field) from None
         rx = re.compile(resolved.regex)
@@ -141,7 +141,7 @@ def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str 
     """
     fail = _Errors(spec.name, config_key)
     candidates = module_targets(model) if what == "module" else parameter_targets(model)
-    match, alias = _predicate(model, spec.target, what, spec.name, "target", fail)
+    match, alias = _predicate(model, spec.target, what, spec.name, "target", fail, spec.optional)
     found = [t for t in candidates if any(match(n) for n in t.names)]
 
     if spec.types:
@@ -161,7 +161,7 @@ def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str 
         found = [t for t in found if _class_names(owner_class(t)) & wanted]
 
     for i, pattern in enumerate(spec.exclude):
-        drop, _ = _predicate(model, pattern, what, spec.name, f"exclude[{i}]", fail)
+        drop, _ = _predicate(model, pattern, what, spec.name, f"exclude[{i}]", fail, optional=True)
         found = [t for t in found if not any(drop(n) for n in t.names)]
 
     if not found and not spec.optional:
