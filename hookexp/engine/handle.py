@@ -6,9 +6,9 @@ config attaches nothing and needs one run to see every mistake. It returns a :cl
 context manager in the style of TransformerLens' hook points: leaving the ``with`` block (also by an
 exception) removes exactly the hooks this handle attached.
 
-Memory: torch hooks close over a :class:`~hookexp.engine.binding.Site` (spec, transform, counters),
-never over modules or tensors; the handle keeps the model through a weak reference; records hold
-detached copies. So a handle cannot keep a model or an autograd graph alive.
+Memory: torch hooks close over a :class:`~hookexp.engine.binding.Site` (the spec's binding and the target
+it hooks), never over tensors of a forward; the handle keeps the root model through a weak reference;
+records hold detached copies. So a handle cannot keep a model or an autograd graph alive.
 
 Cost: measuring what a hook did (norm of the change, cosine, fraction changed) costs a few tensor ops
 per hooked tensor, so it follows a schedule and a hook otherwise costs what a hand-written hook costs.
