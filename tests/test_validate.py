@@ -100,3 +100,23 @@ def test_cli_dry_run_fails_on_a_hook_that_breaks(workdir):
     assert done.returncode == 2
     assert "changed the tensor on target 'conv2'" in done.stdout  # backward reaches conv2 first
     assert "hookexp: error: the dry run found 1 error(s)" in done.stderr
+
+
+def test_a_tasks_forward_and_loss_take_the_whole_batch():
+    from engine_models import KwModel
+
+    model = KwModel()
+    batch = {"x": torch.randn(2, 5, 6), "labels": torch.randint(0, 3, (2, 5))}
+    seen = []
+
+    def forward(m, b):
+        seen.append(sorted(b))
+        return m(b["x"])
+
+    def loss(out, b):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten())
+
+    report = validate(model, {"f": {"target": "inner", "kind": "forward", "index": "pooled"}}, batch,
+                      forward=forward, loss_fn=loss)
+    assert report.ok, report.errors
+    assert seen == [["labels", "x"]] and report.rows[0]["calls_per_step"] == 1

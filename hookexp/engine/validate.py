@@ -77,7 +77,9 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise TypeError(f"the model returned {type(output).__name__} without a tensor; pass validate(..., loss_fn=...)")
 
 
-def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, task: bool) -> torch.Tensor:
+    if task and loss_fn is not None:
+        return loss_fn(output, batch)
     target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
     if loss_fn is not None:
         return loss_fn(output, target) if target is not None else loss_fn(output)
@@ -102,12 +104,13 @@ def validate(model: nn.Module, specs: SpecsLike, example_batch: Any, optimizer: 
              forward: Callable[[nn.Module, Any], Any] | None = None) -> ValidationReport:
     """Run one forward/backward on ``example_batch`` with the specs attached.
 
-    ``example_batch``: ``x``, ``(x, y)`` or a mapping of keyword inputs (``model(**batch)``); ``forward(model,
-    batch)`` overrides how the model is called. Static mistakes raise (as in ``attach``); what the run
-    finds is in the report's ``errors`` and per-spec ``warnings``. The loss is ``loss_fn(output, y)``
-    (or ``loss_fn(output)``), else the output's ``loss``, else cross-entropy for integer labels, MSE for
-    float targets, or the sum of the output (its ``logits`` or first tensor). ``pre_step`` specs run on
-    the gradients (given an optimizer) without an optimizer step.
+    ``example_batch``: ``x``, ``(x, y)`` or a mapping of keyword inputs (``model(**batch)``). A task's pair,
+    ``forward(model, batch) -> output`` and ``loss_fn(output, batch) -> loss``, says how to call the model
+    and score it on any batch. Without ``forward``, the loss is ``loss_fn(output, y)`` (or
+    ``loss_fn(output)``), else the output's ``loss``, else cross-entropy for integer labels, MSE for float
+    targets, or the sum of the output (its ``logits`` or first tensor). Static mistakes raise (as in
+    ``attach``); what the run finds is in the report's ``errors`` and per-spec ``warnings``. ``pre_step``
+    specs run on the gradients (given an optimizer) without an optimizer step.
     """
     report = ValidationReport()
     was_training = model.training
@@ -115,7 +118,7 @@ def validate(model: nn.Module, specs: SpecsLike, example_batch: Any, optimizer: 
     handle = attach(model, specs, optimizer, measure=False)
     try:
         with handle.unscheduled():
-            train_pass = _train_pass(model, handle, example_batch, call, loss_fn, report)
+            train_pass = _train_pass(model, handle, example_batch, call, loss_fn, forward is not None, report)
             eval_calls = _eval_pass(model, handle, example_batch, call, report)
     finally:
         handle.remove()
@@ -129,11 +132,12 @@ def validate(model: nn.Module, specs: SpecsLike, example_batch: Any, optimizer: 
 
 
 def _train_pass(model: nn.Module, handle: HookHandle, batch: Any, call: Callable[[nn.Module, Any], Any],
-                loss_fn: Callable[..., torch.Tensor] | None, report: ValidationReport) -> dict[str, Counter[str]]:
+                loss_fn: Callable[..., torch.Tensor] | None, task: bool,
+                report: ValidationReport) -> dict[str, Counter[str]]:
     """One forward/backward in train mode; returns each spec's calls per target."""
     model.train()
     try:
-        loss = _loss(call(model, batch), batch, loss_fn)
+        loss = _loss(call(model, batch), batch, loss_fn, task)
         loss.backward()
         if handle.has_pre_step:
             handle.apply_pre_step()
