@@ -8,30 +8,99 @@ The library API (no Hydra, no W&B)::
         model(x).sum().backward()
     hooks.stats()
 
-The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`. Names are imported on first use
-(PEP 562), so that ``import hookexp`` — and the CLI's ``--help`` — does not import torch.
+The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`. Names load on first use (PEP 562),
+so ``import hookexp`` and the CLI's ``--help`` import no torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
 _EXPORTS = {
-    "attach": "hookexp.engine", "HookHandle": "hookexp.engine", "validate": "hookexp.validate",
-    "ValidationReport": "hookexp.validate", "KINDS": "hookexp.kinds", "register_kind": "hookexp.kinds",
-    "HookSpec": "hookexp.specs", "parse_specs": "hookexp.specs", "TRANSFORMS": "hookexp.transforms",
-    "HookContext": "hookexp.transforms", "Record": "hookexp.transforms", "register_transform": "hookexp.transforms",
-    **{name: "hookexp.errors" for name in (
-        "ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError", "SpecError",
-        "TargetError", "TransformArgsError", "TransformOutputError", "CheckpointError", "NonFiniteError",
-        "RunDirError", "RunFilesError")},
+    **dict.fromkeys(("HookHandle", "attach", "validate", "ValidationReport", "match", "KINDS", "register_kind",
+                     "HookSpec", "parse_specs", "TRANSFORMS", "HookContext", "Record", "Transform",
+                     "register_transform", "register_transform_alias", "register_aliases"), "hookexp.engine"),
+    **dict.fromkeys(("ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError",
+                     "RegistryError", "SpecError", "SpecErrors", "TargetError", "TransformArgsError",
+                     "TransformOutputError", "HookWarning", "CheckpointError", "NonFiniteError", "RunDirError",
+                     "RunFilesError"), "hookexp.errors"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "KINDS",
+    "TRANSFORMS",
+    "CheckpointError",
+    "ConfigError",
+    "HookCheckError",
+    "HookCompatibilityError",
+    "HookContext",
+    "HookHandle",
+    "HookRuntimeError",
+    "HookSpec",
+    "HookWarning",
+    "HookexpError",
+    "NonFiniteError",
+    "Record",
+    "RegistryError",
+    "RunDirError",
+    "RunFilesError",
+    "SpecError",
+    "SpecErrors",
+    "TargetError",
+    "Transform",
+    "TransformArgsError",
+    "TransformOutputError",
+    "ValidationReport",
+    "attach",
+    "match",
+    "parse_specs",
+    "register_aliases",
+    "register_kind",
+    "register_transform",
+    "register_transform_alias",
+    "validate",
+]
+
+if TYPE_CHECKING:
+    from hookexp.engine import (
+        KINDS,
+        TRANSFORMS,
+        HookContext,
+        HookHandle,
+        HookSpec,
+        Record,
+        Transform,
+        ValidationReport,
+        attach,
+        match,
+        parse_specs,
+        register_aliases,
+        register_kind,
+        register_transform,
+        register_transform_alias,
+        validate,
+    )
+    from hookexp.errors import (
+        CheckpointError,
+        ConfigError,
+        HookCheckError,
+        HookCompatibilityError,
+        HookexpError,
+        HookRuntimeError,
+        HookWarning,
+        NonFiniteError,
+        RegistryError,
+        RunDirError,
+        RunFilesError,
+        SpecError,
+        SpecErrors,
+        TargetError,
+        TransformArgsError,
+        TransformOutputError,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -44,4 +113,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *__all__])

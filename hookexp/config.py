@@ -9,34 +9,23 @@ one is reported by :mod:`hookexp.train` with the constructor's real parameters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
+from hookexp.engine.schema import config_fields, help_list
 
-@dataclass
-class HookSpecConfig:
-    """Every field of a hook spec with its default (hookexp.specs.HookSpec says what each means).
+# -- hook specs (engine): every field and default comes from hookexp.engine.schema.HookSpec, written once there.
+HookSpecConfig = make_dataclass("HookSpecConfig", config_fields(MISSING))
+HookSpecConfig.__doc__ = """Every field of a hook spec with its default, derived from hookexp.engine.schema.HookSpec.
 
-    Hook files inherit it (``- /hook_spec@<name>`` in their defaults list), so every field of a
-    shipped spec can be overridden (``hooks.clamp_conv.every=5``) and is type-checked at compose time.
-    """
-
-    target: str = MISSING
-    kind: str = MISSING
-    transform: Any = "identity"
-    args: dict[str, Any] = field(default_factory=dict)
-    enabled: bool = True
-    every: int = 1
-    start_step: int = 0
-    end_step: Optional[int] = None  # noqa: UP045
-    phase: str = "train"
-    types: Optional[list[str]] = None  # noqa: UP045
-    exclude: list[str] = field(default_factory=list)
-    optional: bool = False
-    index: Optional[int] = None  # noqa: UP045
+Hook files inherit it (``- /hook_spec@<name>`` in their defaults list), so every field of a shipped spec
+can be overridden (``hooks.clamp_conv.every=5``) and is type-checked at compose time.
+"""
+if not OmegaConf.has_resolver("hookexp_help"):  # the kind and alias lists of `python -m hookexp --help`
+    OmegaConf.register_new_resolver("hookexp_help", help_list)
 
 
 @dataclass
@@ -100,7 +89,7 @@ class HookexpConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     # Specs stay untyped here so that a new one can be added from the command line
-    # (+hooks.name={target: fc1, kind: forward}); hookexp.specs checks every field of every spec,
+    # (+hooks.name={target: fc1, kind: forward}); hookexp.engine checks every field of every spec,
     # before anything runs, with the key and the fix in the message.
     hooks: dict[str, Any] = field(default_factory=dict)
     stats: StatsConfig = field(default_factory=StatsConfig)

@@ -7,7 +7,8 @@ the spec name and the config key it is about, and the message is built once, her
     hooks.<spec>.<field>: <what is wrong>. <how to fix it>
 
 The classes also subclass the matching builtin (ValueError, TypeError, RuntimeError) so generic
-``except ValueError`` code keeps working.
+``except ValueError`` code keeps working. Sections: shared helpers and the base class, then one section
+per layer (engine, run, ...); add a layer's classes in its own section.
 """
 
 from __future__ import annotations
@@ -40,8 +41,26 @@ class HookexpError(Exception):
         super().__init__(f"{self.key}: {message}" if self.key else message)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Engine: hook specs, targets, kinds, transforms, the handle (hookexp.engine).
+
+
 class SpecError(HookexpError, ValueError):
     """A hook spec is malformed: unknown field, wrong type, unknown kind, transform or phase."""
+
+
+class SpecErrors(SpecError):
+    """Several static errors in one spec set, reported together (``.errors`` holds each one), so that a
+    config with three mistakes needs one run to see all three, not three."""
+
+    def __init__(self, errors: list[HookexpError]):
+        self.errors = list(errors)
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"{len(self.errors)} problems in the hook specs (nothing was attached):\n{lines}")
+
+
+class RegistryError(HookexpError, ValueError):
+    """A registration (transform, kind, alias table entry) that would replace an existing one, or is malformed."""
 
 
 class TargetError(SpecError):
@@ -66,6 +85,14 @@ class HookRuntimeError(HookexpError, RuntimeError):
 
 class HookCheckError(HookexpError):
     """The dry run (``validate``) found hooks that would fail or misbehave in training."""
+
+
+class HookWarning(UserWarning):
+    """A hook that does nothing where it was put (e.g. its transform saw no tensor); warned once per target."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Run layer and other settings.
 
 
 class ConfigError(HookexpError):

@@ -31,9 +31,8 @@ import torch
 from torch import nn
 
 from hookexp import fused
+from hookexp.engine import match
 from hookexp.errors import ConfigError
-from hookexp.specs import HookSpec
-from hookexp.targets import resolve
 
 GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
 ACT_STATS = ("mean", "std", "frac_zero")
@@ -45,8 +44,7 @@ WIDTHS = tuple(2 ** k for k in range(6, 14))  # candidate row widths, 64 .. 8192
 
 def _match(model: nn.Module, pattern: str, what: str, key: str) -> list[tuple[str, Any]]:
     """Resolve a ``stats.*`` pattern with the hook target grammar; errors name the stats key."""
-    spec = HookSpec(name=key, target=pattern, kind="grad" if what == "parameter" else "forward")
-    return [(t.name, t.obj) for t in resolve(model, spec, what, config_key=key)]  # type: ignore[arg-type]
+    return match(model, pattern, on=what, key=key)  # type: ignore[arg-type]
 
 
 def wide_dtype(device: torch.device) -> torch.dtype:

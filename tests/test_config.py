@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from hookexp.engine import validate
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
-from hookexp.validate import validate
 
 GROUPS = ("task", "model", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger", "experiment")
 CPU = torch.device("cpu")

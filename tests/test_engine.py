@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from hookexp import HookCompatibilityError, HookRuntimeError, TransformOutputError, attach
+from hookexp.engine import SpecBinding
 from hookexp.models import SmallCNN
 
 
@@ -201,3 +203,196 @@ def test_compiled_model_is_refused():
     with pytest.raises(HookCompatibilityError,
                        match=r"already compiled with torch\.compile.*Attach the hooks to the eager model"):
         attach(compiled, {"f": {"target": "conv1", "kind": "forward"}})
+
+
+# -- the measuring schedule -------------------------------------------------------------------------------
+
+
+def count_measures(monkeypatch):
+    """The step of every tensor measured (one by one, or as a batched group)."""
+    calls = []
+    measure_many, add_effects = SpecBinding.measure_many, SpecBinding.add_effects
+
+    def one_by_one(self, before, after):
+        calls.extend([self.clock.step] * len(before))
+        return measure_many(self, before, after)
+
+    def batched(self, row, tensors=0, numel=0):
+        calls.extend([self.clock.step] * tensors)
+        return add_effects(self, row, tensors, numel)
+
+    monkeypatch.setattr(SpecBinding, "measure_many", one_by_one)
+    monkeypatch.setattr(SpecBinding, "add_effects", batched)
+    return calls
+
+
+def train_steps(model, opt, steps, x):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+
+
+def test_by_default_effects_are_measured_on_step_0_and_after_each_stats_read(monkeypatch):
+    measured = count_measures(monkeypatch)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)), torch.randn(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    spec = {"c": {"target": "0", "kind": "forward", "transform": "clamp", "args": {"min": 0.0}},
+            "p": {"target": "*", "kind": "pre_step", "transform": "clamp", "args": {"max": 0.01}}}
+    with attach(model, spec, opt) as hooks:
+        assert hooks.measuring
+        train_steps(model, opt, 1, x)
+        assert not hooks.measuring and hooks.step == 1
+        train_steps(model, opt, 4, x)
+        first = hooks.stats()  # at step 5: step 0's effects; and step 5 will be measured
+        assert hooks.measuring
+        train_steps(model, opt, 3, x)
+        second = hooks.stats()
+        third = hooks.stats()  # nothing ran since the last read: calls only
+    assert measured == [0] * 5 + [5] * 5  # one forward output and four parameters, on steps 0 and 5
+    assert first["c"]["calls"] == 5 and first["p"]["calls"] == 20 and "change_norm" in first["c"]
+    assert "change_norm" in second["p"] and "change_norm" not in third["p"]
+
+
+@pytest.mark.parametrize(("measure", "steps"), [(True, list(range(6))), (False, []), (3, [0, 3]), ("read", [0])])
+def test_measure_true_false_or_every_n(monkeypatch, measure, steps):
+    measured = count_measures(monkeypatch)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with attach(model, {"z": {"target": "", "kind": "forward", "transform": "scale", "args": {"factor": 2.0}}}, opt,
+                measure=measure) as hooks:
+        train_steps(model, opt, 6, x)
+        assert measured == steps
+        hooks.measuring = True  # overrides the schedule until the step changes
+        model(x)
+    assert measured[-1] == 6
+
+
+def test_measured_steps_give_the_numbers_of_always_measuring():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
+    spec = {"c": {"target": "1", "kind": "forward", "transform": "clamp", "args": {"min": -0.2, "max": 0.3}}}
+    results = []
+    for measure in (True, "read", 10):
+        with attach(model, spec, measure=measure) as hooks:
+            model(x).sum().backward()
+            results.append(hooks.stats())
+    assert results[0] == results[1] == results[2] and results[0]["c"]["frac_changed"] > 0
+
+
+def test_unchanged_tensors_are_measured_without_tensor_ops():
+    model = nn.Linear(3, 2)
+    with attach(model, {"i": {"target": "", "kind": "forward"}}, measure=True) as hooks:
+        model(torch.randn(4, 3))
+        assert hooks.bindings[0].effects(reset=False)[0] is None  # no device tensor: nothing was computed
+        assert hooks.stats()["i"] | {"calls": 0} == {"calls": 0, "calls_last_step": 0.0, "targets": 1.0,
+                                                      "change_norm": 0.0, "cosine": 1.0, "frac_changed": 0.0}
+
+
+def test_a_context_is_built_only_for_transforms_that_read_it():
+    model = nn.Linear(3, 2)
+    with attach(model, {"c": {"target": "", "kind": "forward", "transform": "clamp", "args": {"min": 0.0}},
+                        "r": {"target": "", "kind": "forward", "transform": "record"}}) as hooks:
+        model(torch.randn(4, 3))
+        ctx = hooks.bindings[1].sites[0].ctx
+        model(torch.randn(4, 3))
+        assert hooks.bindings[0].sites[0].ctx is None
+        assert ctx is not None and hooks.bindings[1].sites[0].ctx is ctx  # one context per target, reused
+
+
+# -- probes, callables, explain, state ----------------------------------------------------------------------
+
+
+def test_probe_handles_act_only_while_measuring_and_stay_out_of_stats_and_tables(monkeypatch):
+    measured = count_measures(monkeypatch)
+    seen = []
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    with attach(model, {"p": {"target": "", "kind": "forward", "transform": lambda t: seen.append(t.shape) or t}},
+                probe=True, measure=False) as probe:
+        model(x)
+        assert seen == []
+        probe.measuring = True
+        model(x)
+        probe.measuring = False
+        model(x)
+        assert seen == [torch.Size([4, 2])]
+        assert probe.stats() == {} and probe.table() == [] and measured == []
+
+
+def test_plain_callables_and_transform_objects():
+    from hookexp import Transform
+
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    base = model(x)
+    with attach(model, {"f": {"target": "", "kind": "forward", "transform": lambda t: t * 3}}) as hooks:
+        assert torch.equal(model(x), base * 3)
+        assert hooks.table()[0]["transform"] == "test_plain_callables_and_transform_objects.<locals>.<lambda>"
+    with attach(model, {"f": {"target": "", "kind": "forward", "transform": lambda t, ctx, k: t + k * ctx.step,
+                              "args": {"k": 2.0}}}) as hooks:
+        hooks.set_step(3)
+        assert torch.equal(model(x), base + 6.0)
+
+    batched_calls = []
+
+    def halve(t):
+        return t * 0.5
+
+    def halve_(ts, ctx):
+        batched_calls.append(len(ts))
+        torch._foreach_mul_(ts, 0.5)
+
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=1.0), torch.optim.SGD(ref.parameters(), lr=1.0)
+    with attach(model, {"h": {"target": "*", "kind": "pre_step", "transform": Transform(halve, batched=halve_)}}, opt):
+        train_steps(model, opt, 2, x)
+    with attach(ref, {"h": {"target": "*", "kind": "post_accumulate", "transform": halve}}):
+        train_steps(ref, ref_opt, 2, x)
+    assert batched_calls == [2, 2]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+def test_explain_knows_only_its_own_errors():
+    model = nn.Linear(2, 2)
+    with attach(model, {"b": {"target": "", "kind": "backward"}}) as hooks:
+        assert hooks.explain(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+        assert hooks.explain(HookRuntimeError("x", spec="b")) is None  # already names its spec
+
+
+def test_state_dict_is_plain_tensors_and_a_resumed_handle_draws_the_same_noise(tmp_path):
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    spec = {"n": {"target": "", "kind": "forward", "transform": "noise", "args": {"std": 1.0, "seed": 7}}}
+    with attach(model, spec) as hooks:
+        model(x)
+        torch.save(hooks.state_dict(), tmp_path / "h.pt")
+        expected = model(x)
+    state = torch.load(tmp_path / "h.pt", weights_only=True)
+    assert set(state["specs"]["n"]["state"]) == {"generator:cpu", "seed"}
+    with attach(model, spec) as again:
+        again.load_state_dict(state)
+        assert torch.equal(model(x), expected) and again.stats()["n"]["calls"] == 2
+
+
+def test_unscheduled_acts_outside_the_window():
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    base = model(x)
+    with attach(model, {"z": {"target": "", "kind": "forward", "transform": "zero", "start_step": 5}}) as hooks:
+        assert torch.equal(model(x), base)
+        with hooks.unscheduled():
+            assert torch.equal(model(x), torch.zeros_like(base))
+        assert torch.equal(model(x), base)
+
+
+def test_measured_effects_against_a_hand_computation():
+    torch.manual_seed(0)
+    xs = [torch.randn(5, 3), torch.randn(7), torch.zeros(4)]
+    ys = [xs[0].clamp(-0.5, 0.5), -0.1 * xs[1], torch.ones(4)]
+    from hookexp.engine.binding import effect_rows
+
+    rows = effect_rows(xs, ys)
+    for (change, cos, changed), x, y in zip(rows.tolist(), xs, ys, strict=True):
+        assert change == pytest.approx(torch.linalg.vector_norm(y - x).item(), rel=1e-6)
+        assert cos == pytest.approx(torch.nn.functional.cosine_similarity(x.reshape(-1), y.reshape(-1), dim=0,
+                                                                          eps=1e-12).item(), abs=1e-6)
+        assert changed == (x != y).sum().item()
+    assert rows[2, 1] == 0.0  # a zero tensor has cosine 0 with anything

@@ -6,15 +6,15 @@ import pytest
 from torch import nn
 
 from hookexp import SpecError, TargetError, TransformArgsError, attach, parse_specs
+from hookexp.engine import HookSpec
+from hookexp.engine.targets import resolve
 from hookexp.models import SeedNet, SmallCNN
-from hookexp.specs import HookSpec
-from hookexp.targets import resolve
 
 
 def names(model, target, kind="forward", **extra):
     spec = parse_specs({"s": {"target": target, "kind": kind, **extra}})[0]
     on = "parameter" if kind in ("grad", "post_accumulate", "pre_step") else "module"
-    return [t.name for t in resolve(model, spec, on)]
+    return [t.name for t in resolve(model, spec, on).targets]
 
 
 class Blocks(nn.Module):
@@ -53,7 +53,7 @@ def test_user_class_types_and_shared_module_resolve_once():
     b = Blocks()
     assert names(b, "", types=["Blocks"]) == [""]
     spec = parse_specs({"s": {"target": "shared", "kind": "forward"}})[0]
-    (target,) = resolve(b, spec, "module")
+    (target,) = resolve(b, spec, "module").targets
     assert target.name == "blocks.0.mlp" and target.aliases == ("shared",)
 
 
@@ -61,7 +61,7 @@ def test_tied_parameter_resolves_once_with_alias():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     m[1].weight = m[0].weight
     spec = parse_specs({"s": {"target": "*.weight", "kind": "grad"}})[0]
-    (t,) = resolve(m, spec, "parameter")
+    (t,) = resolve(m, spec, "parameter").targets
     assert t.name == "0.weight" and t.aliases == ("1.weight",)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from hookexp.transforms import TRANSFORMS, HookContext, bind_transform
+from hookexp import TransformArgsError, attach
+from hookexp.engine.transforms import TRANSFORMS, HookContext, bind_transform
 
 ARGS = {
     "add": {"value": 5.0}, "scale": {"factor": -2.0}, "clamp": {"min": -0.5, "max": 0.5}, "noise": {"std": 0.1},
@@ -38,7 +41,7 @@ def test_every_transform_keeps_dtype_device_shape_on_expanded_input(name, dtype,
 def test_value_dependent_transforms_are_flagged():
     # the trainer warns when these act on fp16-scaled gradients; sign-like transforms are scale-free
     flagged = sorted(name for name, info in TRANSFORMS.items() if info.value_dependent)
-    assert flagged == ["add", "clamp", "clip_norm", "noise", "quantize", "replace"]
+    assert flagged == ["add", "clamp", "clip_norm", "ema_amplify", "ma_amplify", "noise", "quantize", "replace"]
 
 
 def test_values():
@@ -109,3 +112,165 @@ def test_record_keeps_whole_tuples_and_aux():
     (r,) = recs
     assert r.step == 3 and torch.equal(r.value[0], torch.ones(2)) and r.value[1] is None
     assert torch.equal(r.aux[0], torch.zeros(1))
+
+
+# -- batched pre_step transforms give the per-tensor bits -------------------------------------------------
+
+BATCHED_ARGS = {
+    "add": {"value": 0.3}, "scale": {"factor": -1.7}, "clamp": {"min": -0.2, "max": 0.5},
+    "clip_norm": {"max_norm": 0.7},
+    "ema_amplify": {"alpha": 0.9, "lamb": 2.0}, "ma_amplify": {"window": 3, "lamb": 5.0}, "reverse": {"lambda": 0.3},
+}
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def random_tensors(dtype, n=200):
+    """Tensors of many shapes and magnitudes (norms on both sides of clip_norm's bound), some exact zeros."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3,), (4, 5), (2, 3, 4), (17,), (1,)]
+    out = []
+    for i in range(n):
+        x = torch.randn(shapes[i % len(shapes)], generator=g) * 10 ** (torch.rand(1, generator=g).item() * 4 - 3)
+        x[torch.rand(x.shape, generator=g) < 0.1] = 0.0
+        out.append(x.to(dtype))
+    return out
+
+
+def bits(x):
+    return x.view(BITS[x.dtype])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name", sorted(n for n, i in TRANSFORMS.items() if i.batched))
+def test_batched_transform_equals_the_per_tensor_transform_bit_for_bit(name, dtype):
+    args = BATCHED_ARGS.get(name, {})
+    one, many = bind_transform(name, args, "s"), bind_transform(name, args, "s")
+    names = [f"p{i}" for i in range(200)]
+    for step in range(4):  # stateful transforms: several steps (the MA window fills at the third)
+        xs = [x * (step + 1) for x in random_tensors(dtype)]
+        expected = [one(x, HookContext("s", "pre_step", n, step, state=one.state)) for x, n in zip(xs, names,
+                                                                                                   strict=True)]
+        got = [x.clone() for x in xs]
+        many.batched(got, HookContext("s", "pre_step", "*", step, state=many.state, targets=names), **many.args)
+        differ = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not torch.equal(bits(a), bits(b))]
+        assert not differ, f"{name} {dtype} step {step}: {len(differ)} of 200 tensors differ, e.g. #{differ[0]}"
+
+
+def test_clip_norm_is_torchs_clip_grad_norm_formula():
+    for x in random_tensors(torch.float32, 50):
+        coef = torch.clamp(0.7 / (torch.linalg.vector_norm(x) + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_
+        assert torch.equal(run("clip_norm", x, max_norm=0.7), x * coef)
+
+
+def test_aliases_are_aliases_not_copies():
+    assert TRANSFORMS["zero_ablate"].alias_of == "zero" and TRANSFORMS["zero_ablate"].fn is TRANSFORMS["zero"].fn
+    assert TRANSFORMS["negate"].alias_of == TRANSFORMS["reverse"].alias_of == "scale"
+    assert bind_transform("negate", {}, "s").args == {"factor": -1.0}
+    assert bind_transform("reverse", {"lambda": 0.5}, "s").args == {"factor": -0.5}
+    assert bind_transform("reverse", {}, "s").args == {"factor": -1.0}
+    with pytest.raises(TransformArgsError, match=r"hooks\.s\.args\.factor: transform 'negate' has no argument"):
+        bind_transform("negate", {"factor": 2.0}, "s")
+
+
+def test_registries_take_keywords_and_refuse_duplicates():
+    from hookexp import RegistryError, register_kind, register_transform, register_transform_alias
+
+    with pytest.raises(RegistryError, match="transform 'clamp' is already registered"):
+        register_transform("clamp")(lambda x, ctx: x)
+    with pytest.raises(RegistryError, match="transform 'negate' is already registered"):
+        register_transform_alias("negate", of="scale")
+    with pytest.raises(RegistryError, match="'nope' is not a registered transform"):
+        register_transform_alias("x_test", of="nope")
+    with pytest.raises(RegistryError, match="kind 'grad' is already registered"):
+        register_kind("grad")(lambda site, handle: [])
+    with pytest.raises(RegistryError, match=r"kind 'mine' is not a built-in kind, so it needs on, stage"):
+        register_kind("mine")
+    with pytest.raises(TypeError):
+        register_transform("x_test", None)  # keyword arguments only
+
+
+# -- Grokfast (Lee et al. 2024) against the paper's update rule, written by hand ------------------------
+
+
+def grokfast_by_hand(model, steps, x, y, rule, **kw):
+    """The paper's loop: after backward, before optimizer.step(), filter every gradient (its update rule)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), weight_decay=0.01)
+    state: dict[str, object] = {}
+    trace = []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for name, p in model.named_parameters():
+            g = p.grad
+            if rule == "ema":
+                avg = state.get(name, g)  # the average starts at the first gradient
+                avg = avg * kw["alpha"] + g * (1 - kw["alpha"])
+                state[name] = avg
+                p.grad = g + avg * kw["lamb"]
+            else:
+                window = state.setdefault(name, [])
+                window.append(g.clone())
+                del window[:-kw["window"]]
+                if len(window) == kw["window"]:  # the reference waits for a full window
+                    total = 0
+                    for old in window:  # summed from the oldest, as Python's sum() does
+                        total = total + old
+                    p.grad = g + (total / len(window)) * kw["lamb"]
+        opt.step()
+        trace.append([p.detach().clone() for p in model.parameters()])
+    return trace
+
+
+def grokfast_hooked(model, steps, x, y, rule, start=None, stop=None, **kw):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), weight_decay=0.01)
+    spec = {"gf": {"target": "*", "kind": "pre_step", "transform": f"{rule}_amplify", "args": kw}}
+    hooks = attach(model, spec, opt)
+    if start is not None:
+        opt.load_state_dict(start["optimizer"])
+        hooks.load_state_dict(start["hooks"])
+    trace = []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        trace.append([p.detach().clone() for p in model.parameters()])
+    saved = {"optimizer": opt.state_dict(), "hooks": hooks.state_dict(), "model": model.state_dict()}
+    hooks.remove()
+    return trace, saved
+
+
+def grokfast_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return model, torch.randn(12, 5), torch.randint(0, 3, (12,))
+
+
+@pytest.mark.parametrize(("rule", "kw"), [("ema", {"alpha": 0.98, "lamb": 2.0}),
+                                          ("ma", {"window": 3, "lamb": 5.0})])
+def test_grokfast_filters_match_the_papers_update_rule_bit_for_bit(rule, kw):
+    model, x, y = grokfast_model()
+    ref = copy.deepcopy(model)
+    hooked, _ = grokfast_hooked(model, 6, x, y, rule, **kw)
+    by_hand = grokfast_by_hand(ref, 6, x, y, rule, **kw)
+    for step, (a, b) in enumerate(zip(hooked, by_hand, strict=True)):
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), f"{rule}: step {step}"
+    plain = copy.deepcopy(grokfast_model()[0])
+    assert not torch.equal(hooked[-1][0], grokfast_hooked(plain, 6, x, y, rule, lamb=0.0)[0][-1][0])
+
+
+@pytest.mark.parametrize(("rule", "kw"), [("ema", {"alpha": 0.9, "lamb": 2.0}), ("ma", {"window": 4, "lamb": 5.0})])
+def test_grokfast_state_survives_a_checkpoint(rule, kw, tmp_path):
+    model, x, y = grokfast_model()
+    resumed = copy.deepcopy(model)
+    straight, _ = grokfast_hooked(model, 6, x, y, rule, **kw)
+    _, saved = grokfast_hooked(resumed, 3, x, y, rule, **kw)
+    torch.save(saved, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    key = "ema" if rule == "ema" else "ma"
+    assert set(loaded["hooks"]["specs"]["gf"]["state"][key]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    again, _, _ = grokfast_model()
+    again.load_state_dict(loaded["model"])
+    rest, _ = grokfast_hooked(again, 3, x, y, rule, start=loaded, **kw)
+    for step, (a, b) in enumerate(zip(straight[3:], rest, strict=True)):
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), f"{rule}: step {3 + step}"

@@ -23,9 +23,9 @@ def test_full_backward_hook_before_an_inplace_relu_is_refused_with_the_reason():
     report = validate(model, {"bw": {"target": "embed", "kind": "backward", "transform": "identity"}}, batch())
     assert not report.ok
     (error,) = report.errors
-    assert error.startswith("hooks.bw: an in-place op modified the input or output of a module with a full "
-                            "backward hook (spec(s) bw)")
-    assert "Use kind 'output_grad' or 'node'" in error
+    assert error.startswith("hooks.bw.kind: an in-place op modified the output of 'embed' (kind 'backward') after "
+                            "its forward")
+    assert "Use kind 'output_grad' (or 'node') for this target" in error
     assert report.rows[0]["warnings"] == ["not reached: the batch stopped at an error below"]
 
 
@@ -100,3 +100,23 @@ def test_cli_dry_run_fails_on_a_hook_that_breaks(workdir):
     assert done.returncode == 2
     assert "changed the tensor on target 'conv2'" in done.stdout  # backward reaches conv2 first
     assert "hookexp: error: the dry run found 1 error(s)" in done.stderr
+
+
+def test_a_tasks_forward_and_loss_take_the_whole_batch():
+    from engine_models import KwModel
+
+    model = KwModel()
+    batch = {"x": torch.randn(2, 5, 6), "labels": torch.randint(0, 3, (2, 5))}
+    seen = []
+
+    def forward(m, b):
+        seen.append(sorted(b))
+        return m(b["x"])
+
+    def loss(out, b):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten())
+
+    report = validate(model, {"f": {"target": "inner", "kind": "forward", "index": "pooled"}}, batch,
+                      forward=forward, loss_fn=loss)
+    assert report.ok, report.errors
+    assert seen == [["labels", "x"]] and report.rows[0]["calls_per_step"] == 1

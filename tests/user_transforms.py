@@ -57,3 +57,8 @@ def nan_at(x, ctx, step: int):
 def huge(x, ctx, factor: float = 1e30):
     """Finite gradients whose float32 norm overflows (a sum of squares beyond 3.4e38)."""
     return x * factor
+
+
+def torch_error(x, ctx):
+    """Raises torch's own RuntimeError (a shape mismatch) inside the hook."""
+    return x + torch.ones(x.numel() + 1)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from hookexp.engine import Record
 from hookexp.run.checkpoint import atomic_save
-from hookexp.transforms import Record
 
 
 def _file_name(spec: str) -> str:

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from hookexp.engine import HookHandle, attach, explain_torch_error
+from hookexp.engine import HookHandle, attach, validate
 from hookexp.errors import ConfigError, HookCheckError
 from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
@@ -34,7 +34,6 @@ from hookexp.run.manifest import build_manifest
 from hookexp.run.records import Records
 from hookexp.run.telemetry import Telemetry
 from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, write_json_atomic
-from hookexp.validate import validate
 
 log = logging.getLogger("hookexp.train")
 LOWER_IS_BETTER = ("loss", "ppl", "mse")
@@ -42,11 +41,12 @@ LOWER_IS_BETTER = ("loss", "ppl", "mse")
 
 @contextlib.contextmanager
 def explaining(hooks: HookHandle) -> Any:
-    """torch's errors around the hooks (an in-place op next to a full backward hook) as errors naming the spec."""
+    """torch's errors around the hooks (an in-place op next to a full backward hook, a transform that cut the
+    graph) as errors naming the spec."""
     try:
         yield
     except RuntimeError as e:
-        better = explain_torch_error(e, hooks)
+        better = hooks.explain(e)
         if better is None:
             raise
         raise better from e

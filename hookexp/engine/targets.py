@@ -4,7 +4,9 @@ Grammar (``HookSpec.target`` and each entry of ``exclude``):
 
 - an exact name: ``conv``, ``fc1.bias``, ``""`` (the root module);
 - a glob, when the pattern has ``*``, ``?`` or ``[``: ``layer*.conv?``, ``*.bias`` (``*`` also crosses dots);
-- a regular expression with the prefix ``re:``, matched with ``re.search``: ``re:^blocks\\.\\d+\\.attn$``.
+- a regular expression with the prefix ``re:``, matched with ``re.search``: ``re:^blocks\\.\\d+\\.attn$``;
+- an alias, ``@blocks`` ``@attn`` ``@mlp`` ``@embed`` ``@unembed`` ``@norm`` (:mod:`hookexp.engine.aliases`):
+  the modules the architecture's entry names; for parameter kinds, their parameters.
 
 ``types`` narrows to modules whose class (or a base class) has one of the given names; for parameter
 kinds it narrows to parameters owned by such modules. Shared modules and tied parameters resolve once
@@ -18,13 +20,14 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from hookexp.errors import ConfigError, SpecError, TargetError, did_you_mean
-from hookexp.specs import HookSpec
+from hookexp.engine.aliases import Resolved, expand
+from hookexp.engine.schema import HookSpec
+from hookexp.errors import ConfigError, HookexpError, SpecError, TargetError, did_you_mean
 
 TargetKind = Literal["module", "parameter"]
 
@@ -42,8 +45,29 @@ class Target:
         return (self.name, *self.aliases)
 
 
+@dataclass(frozen=True)
+class Resolution:
+    """A spec's targets, and what its ``@alias`` (if any) became."""
+
+    targets: list[Target]
+    alias: Resolved | None = None
+
+
+class _Errors:
+    """Builds the right error class: a hook spec's (TargetError naming ``hooks.<spec>.<field>``) or another
+    setting's (ConfigError naming its key, without hook advice)."""
+
+    def __init__(self, spec: str | None, config_key: str | None):
+        self.spec, self.config_key = spec, config_key
+
+    def __call__(self, message: str, field: str = "target") -> HookexpError:
+        if self.config_key is not None:
+            return ConfigError(message, key=self.config_key)
+        return TargetError(message, spec=self.spec, field=field)
+
+
 def compile_pattern(pattern: str, *, spec: str | None = None, field: str = "target") -> Callable[[str], bool]:
-    """A predicate on names for one pattern of the grammar."""
+    """A predicate on names for one pattern of the grammar (aliases excepted: see :func:`resolve`)."""
     if pattern.startswith("re:"):
         try:
             rx = re.compile(pattern[3:])
@@ -96,15 +120,28 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(owner_name) if owner_name else model
 
 
-def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str | None = None) -> list[Target]:
+def _predicate(model: nn.Module, pattern: str, what: TargetKind, spec: str | None, field: str,
+               fail: _Errors, optional: bool = False) -> tuple[Callable[[str], bool], Resolved | None]:
+    if pattern.startswith("@"):
+        try:
+            resolved = expand(model, pattern, what, missing_ok=optional)
+        except LookupError as e:
+            raise fail(f"target {pattern!r}: {e}", field) from None
+        rx = re.compile(resolved.regex)
+        return (lambda name: rx.search(name) is not None), resolved
+    return compile_pattern(pattern, spec=spec, field=field), None
+
+
+def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str | None = None) -> Resolution:
     """The targets ``spec`` names in ``model``; raises :class:`TargetError` when it names nothing.
 
     ``what`` says whether the spec's kind attaches to modules or to parameters. ``config_key``: the
     pattern is not a hook's but another setting's (``stats.grads``); its errors are
     :class:`ConfigError` naming that key, without hook advice.
     """
+    fail = _Errors(spec.name, config_key)
     candidates = module_targets(model) if what == "module" else parameter_targets(model)
-    match = compile_pattern(spec.target, spec=spec.name)
+    match, alias = _predicate(model, spec.target, what, spec.name, "target", fail, spec.optional)
     found = [t for t in candidates if any(match(n) for n in t.names)]
 
     if spec.types:
@@ -114,12 +151,8 @@ def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str 
         for t in spec.types:
             if t not in present:
                 simple = sorted({n for n in present if "." not in n})
-                raise TargetError(
-                    f"type {t!r} is not the class of any module in {type(model).__name__}."
-                    f"{did_you_mean(t, simple)} Classes present: {', '.join(simple)}.",
-                    spec=spec.name,
-                    field="types",
-                )
+                raise fail(f"type {t!r} is not the class of any module in {type(model).__name__}."
+                           f"{did_you_mean(t, simple)} Classes present: {', '.join(simple)}.", "types")
         wanted = set(spec.types)
 
         def owner_class(t: Target) -> type:
@@ -128,23 +161,31 @@ def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str 
         found = [t for t in found if _class_names(owner_class(t)) & wanted]
 
     for i, pattern in enumerate(spec.exclude):
-        drop = compile_pattern(pattern, spec=spec.name, field=f"exclude[{i}]")
+        drop, _ = _predicate(model, pattern, what, spec.name, f"exclude[{i}]", fail, optional=True)
         found = [t for t in found if not any(drop(n) for n in t.names)]
 
     if not found and not spec.optional:
-        if config_key is not None:
-            raise ConfigError(_nothing_matched(model, spec, what, hook=False), key=config_key)
-        raise TargetError(_nothing_matched(model, spec, what), spec=spec.name, field="target")
-    return found
+        raise fail(_nothing_matched(model, spec, what, match, alias, hook=config_key is None))
+    return Resolution(found, alias)
 
 
-def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, hook: bool = True) -> str:
+def match(model: nn.Module, pattern: str, on: TargetKind = "module", key: str = "stats") -> list[tuple[str, Any]]:
+    """``(name, module or parameter)`` for every target ``pattern`` names, with the hook target grammar
+    (aliases included), for settings other than hooks; errors are :class:`ConfigError` naming ``key``."""
+    if not isinstance(pattern, str):
+        raise ConfigError(f"expected a target pattern (a name, glob, 're:' regex or @alias), got {pattern!r}.", key=key)
+    spec = HookSpec(name=key, target=pattern, kind="grad" if on == "parameter" else "forward")
+    return [(t.name, t.obj) for t in resolve(model, spec, on, config_key=key).targets]
+
+
+def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, match: Callable[[str], bool],
+                     alias: Resolved | None, hook: bool = True) -> str:
     own = [n for t in (module_targets(model) if what == "module" else parameter_targets(model)) for n in t.names]
     other_what: TargetKind = "parameter" if what == "module" else "module"
     other = [n for t in (parameter_targets(model) if what == "module" else module_targets(model)) for n in t.names]
     model_name = type(model).__name__
     kind_note = f" (kind {spec.kind!r} attaches to {what}s)" if hook else ""
-    match = compile_pattern(spec.target, spec=spec.name)
+    shown = f"{spec.target!r} ({alias.describe()})" if alias else repr(spec.target)
     narrowing = []
     if any(match(n) for n in own):  # the name matched; types/exclude removed everything
         if spec.types:
@@ -154,7 +195,7 @@ def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, hook: b
     narrowed = f" after narrowing by {' and '.join(narrowing)}" if narrowing else ""
 
     hits = [n for n in other if match(n)]
-    if hits and not narrowing:
+    if hits and not narrowing and alias is None:
         if what == "module":
             fix = (
                 f"{spec.target!r} names {other_what}s ({', '.join(hits[:4])}). Use a parameter kind "
@@ -167,10 +208,10 @@ def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, hook: b
             ) + ", or use a module kind (forward, output_grad, backward, ...)."
         return f"target {spec.target!r} matches no {what} of {model_name}{kind_note}. {fix}"
     names = [n for n in own if n]
-    hint = did_you_mean(spec.target.removeprefix("re:"), names)
+    hint = did_you_mean(spec.target.removeprefix("re:"), names) if alias is None else ""
     listing = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
     optional = ", or set optional: true if the spec may match nothing" if hook else ""
     return (
-        f"target {spec.target!r} matches no {what} of {model_name}{narrowed}{kind_note}.{hint} "
+        f"target {shown} matches no {what} of {model_name}{narrowed}{kind_note}.{hint} "
         f"Its {what}s are: {listing}. Fix the name, use a glob ('*.bias') or 're:' pattern{optional}."
     )

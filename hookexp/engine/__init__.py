@@ -1,0 +1,87 @@
+"""The hook engine: specs in, torch hooks attached, one handle that owns and removes them.
+
+Other layers (the trainer, telemetry, integrations) use the engine only through the names below.
+Importing this package imports no torch (its names load on first use), so that the torch-free schema
+(:mod:`hookexp.engine.schema`) serves the CLI's help and the Hydra schema.
+
+    attach(model, specs, optimizer=None, *, measure="read", probe=False) -> HookHandle
+    validate(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
+    match(model, pattern, on="module" | "parameter", key="stats.grads") -> [(name, module or parameter)]
+    register_transform / register_transform_alias / register_kind / register_aliases (decorators/functions)
+    Transform(fn, batched=fn_)  HookContext  Record  HookSpec  parse_specs  KINDS  TRANSFORMS  ALIASES
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "attach": "handle", "HookHandle": "handle", "explain_torch_error": "handle",
+    "SpecBinding": "binding", "Site": "binding",
+    "validate": "validate", "ValidationReport": "validate",
+    "match": "targets", "Target": "targets", "resolve": "targets",
+    "register_aliases": "aliases", "ALIASES": "aliases",
+    "register_kind": "kinds", "KINDS": "kinds",
+    "register_transform": "transforms", "register_transform_alias": "transforms", "Transform": "transforms",
+    "HookContext": "transforms", "Record": "transforms", "TRANSFORMS": "transforms",
+    "parse_specs": "specs",
+    "HookSpec": "schema", "KIND_DOCS": "schema",
+}
+
+__all__ = [
+    "ALIASES",
+    "KINDS",
+    "KIND_DOCS",
+    "TRANSFORMS",
+    "HookContext",
+    "HookHandle",
+    "HookSpec",
+    "Record",
+    "Site",
+    "SpecBinding",
+    "Target",
+    "Transform",
+    "ValidationReport",
+    "attach",
+    "explain_torch_error",
+    "match",
+    "parse_specs",
+    "register_aliases",
+    "register_kind",
+    "register_transform",
+    "register_transform_alias",
+    "resolve",
+    "validate",
+]
+
+if TYPE_CHECKING:
+    from hookexp.engine.aliases import ALIASES, register_aliases
+    from hookexp.engine.binding import Site, SpecBinding
+    from hookexp.engine.handle import HookHandle, attach, explain_torch_error
+    from hookexp.engine.kinds import KINDS, register_kind
+    from hookexp.engine.schema import KIND_DOCS, HookSpec
+    from hookexp.engine.specs import parse_specs
+    from hookexp.engine.targets import Target, match, resolve
+    from hookexp.engine.transforms import (
+        TRANSFORMS,
+        HookContext,
+        Record,
+        Transform,
+        register_transform,
+        register_transform_alias,
+    )
+    from hookexp.engine.validate import ValidationReport, validate
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hookexp.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hookexp.engine.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,332 @@
+"""The per-call path: one spec bound to its transform and targets, and the code every torch hook runs.
+
+A :class:`SpecBinding` holds a spec's transform, its schedule state and counters; a :class:`Site` is one
+target of it, the object a torch hook closes over (never the module or a tensor). The path a hook call
+takes is kept short because it runs on every forward/backward of every hooked module: one attribute
+check (``binding.active``, recomputed when the step or the measuring flag changes, not per call), two
+counters, the transform, and a metadata check of its result (shape/dtype/device/``_version``; no host
+sync). A context object is filled in only for transforms that read it, and effects are measured only
+while ``clock.measuring``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookexp.engine import values
+from hookexp.engine.schema import HookSpec
+from hookexp.engine.transforms import BoundTransform, HookContext, Record
+from hookexp.engine.values import Selector
+from hookexp.errors import HookRuntimeError, HookWarning, SpecError, TransformOutputError
+
+if TYPE_CHECKING:
+    from hookexp.engine.aliases import Resolved
+    from hookexp.engine.kinds import KindInfo
+    from hookexp.engine.targets import Target
+
+
+@dataclass
+class Clock:
+    """The training step the hooks are in, and whether this step measures hook effects."""
+
+    step: int = 0
+    measuring: bool = True
+    ignore_schedule: bool = False  # validation: act on every call, whatever the step window says
+
+
+class Site:
+    """One target of one spec: what that target's torch hooks call, with its own counters."""
+
+    __slots__ = ("binding", "calls", "ctx", "empty", "empty_why", "input", "name", "obj", "target", "warned")
+
+    def __init__(self, binding: SpecBinding, target: Target):
+        self.binding = binding
+        self.target = target
+        self.name = target.name
+        self.obj = target.obj
+        self.calls = 0
+        self.empty = 0  # calls on which the transform saw no tensor
+        self.empty_why = ""
+        self.warned = False
+        self.ctx: HookContext | None = None  # made at the first call of a transform that reads it
+        self.input: tuple[str, int | None] | None = None  # `input:` resolved: (name, position or None)
+
+
+class SpecBinding:
+    """One spec bound to its transform and targets; the object every torch hook of the spec calls."""
+
+    def __init__(self, spec: HookSpec, kind: KindInfo, transform: BoundTransform, targets: list[Target],
+                 clock: Clock, alias: Resolved | None = None, probe: bool = False):
+        self.spec = spec
+        self.kind = kind
+        self.transform = transform
+        self.targets = targets
+        self.alias = alias
+        self.clock = clock
+        self.probe = probe
+        self.sites = [Site(self, t) for t in targets]
+        self.alive = True
+        self.active = False
+        self.train_phase: bool | None = None if kind.stage != "forward" else {"train": True, "eval": False,
+                                                                               "both": None}[spec.phase]
+        self.index = spec.index
+        self.select = Selector(spec.select) if spec.select is not None else None
+        # a tensor goes straight to the transform: the forward hooks' shortcut for the common case
+        self.plain = self.index is None and self.select is None and not transform.structured
+        self.calls = 0
+        self.calls_last_step = 0
+        self._calls_at_step_start = 0
+        self.records: list[Record] = []
+        self.notes: dict[str, set[str]] = {}
+        self.emitted: dict[str, list[torch.Tensor]] = {}  # ctx.emit() measurements since the last stats()
+        self._effect_sum: torch.Tensor | None = None  # [sum |y-x|, sum cos(x, y), elements changed], on device
+        self._same = 0  # measured tensors the transform returned unchanged: change 0, cosine 1, nothing changed
+        self._effect_tensors = 0
+        self._effect_numel = 0
+        self.refresh()
+
+    # -- schedule ----------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Recompute whether the hooks act now (called when the step or the measuring flag changes)."""
+        c = self.clock
+        self.active = (self.alive and self.spec.enabled and (c.ignore_schedule or self.spec.active_at(c.step))
+                       and (c.measuring or not self.probe))
+
+    def live(self, training: bool | None) -> bool:
+        """Whether the hook acts now: attached, in its step window, and (forward kinds) in its phase."""
+        return self.active and (training is None or self.train_phase is None or training is self.train_phase)
+
+    def end_step(self) -> None:
+        self.calls_last_step = self.calls - self._calls_at_step_start
+        self._calls_at_step_start = self.calls
+
+    @property
+    def calls_by_target(self) -> Counter[str]:
+        return Counter({s.name: s.calls for s in self.sites if s.calls})
+
+    def set_counts(self, calls: int, by_target: dict[str, int], last_step: int) -> None:
+        """Restore the counters (a resumed run)."""
+        self.calls = self._calls_at_step_start = calls
+        self.calls_last_step = last_step
+        for s in self.sites:
+            s.calls = int(by_target.get(s.name, 0))
+
+    def note(self, target: str, event: str) -> None:
+        self.notes.setdefault(target, set()).add(event)
+
+    # -- the per-call path ------------------------------------------------------------------------
+    def count(self, site: Site) -> None:
+        self.calls += 1
+        site.calls += 1
+
+    def failure(self, error: BaseException, site: Site) -> HookRuntimeError:
+        """A torch (or user) error raised inside one of this spec's hooks, as an error naming the spec."""
+        return HookRuntimeError(
+            f"transform {self.transform.name!r} failed on target {site.name!r} (kind {self.spec.kind!r}) "
+            f"at step {self.clock.step}: {type(error).__name__}: {error}", spec=self.spec.name, field="transform")
+
+    def apply(self, value: Any, site: Site, aux: Any = None) -> Any:
+        """Run the transform on what a torch hook saw (``index`` picks an element first); returns the value
+        torch should use: the same object when nothing changed, else one of the same type."""
+        if self.index is None:
+            return self.apply_value(value, site, aux, None)
+        try:
+            key = values.locate(value, self.index)
+        except LookupError as e:
+            raise SpecError(f"{e} (target {site.name!r}, kind {self.spec.kind!r}).", spec=self.spec.name,
+                            field="index") from None
+        elem = values.get(value, key)
+        new = self.apply_value(elem, site, aux, self.index if key is None else key)
+        if new is elem:
+            return value
+        return new if key is None else values.rebuild(value, {key: new})
+
+    def apply_value(self, value: Any, site: Site, aux: Any, index: int | str | None) -> Any:
+        """The transform on a value already picked: a tensor, or each tensor at the top of a structure."""
+        if isinstance(value, torch.Tensor):
+            return self.apply_tensor(value, site, aux, index)
+        if self.transform.structured:
+            if not values.has_tensor(value):
+                self.saw_nothing(site, "the value holds no tensor")
+            return self.transform(value, self._ctx(site, aux, index))
+        new, seen = values.map_tensors(
+            value, lambda t, k: self.apply_tensor(t, site, aux, k if index is None else index))
+        if not seen:
+            self.saw_nothing(site, f"the value is {_describe(value)}")
+        return new
+
+    def apply_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], site: Site) -> Any:
+        """``forward_pre``: the transform on the inputs (``input:`` one of them by name); returns None (torch
+        keeps its inputs) or the new ``(args, kwargs)``."""
+        if site.input is not None:
+            name, pos = site.input
+            if name in kwargs:
+                new = self.apply(kwargs[name], site)
+                return None if new is kwargs[name] else (args, {**kwargs, name: new})
+            if pos is not None and pos < len(args):
+                new = self.apply(args[pos], site)
+                return None if new is args[pos] else (values.rebuild(args, {pos: new}), kwargs)
+            self.saw_nothing(site, f"input {name!r} was not passed")
+            return None
+        if self.index is not None or self.transform.structured or not kwargs:
+            value = args if not kwargs or self.index is not None else (args, kwargs)
+            new = self.apply(value, site)
+            if new is value:
+                return None
+            return (new, kwargs) if value is args else new
+
+        def fn(t: torch.Tensor, k: int | str | None) -> torch.Tensor:
+            return self.apply_tensor(t, site, None, k)
+
+        new_args, seen_args = values.map_tensors(args, fn)
+        new_kwargs, seen_kwargs = values.map_tensors(kwargs, fn)
+        if not (seen_args or seen_kwargs):
+            self.saw_nothing(site, "no input is a tensor")
+        return None if new_args is args and new_kwargs is kwargs else (new_args, new_kwargs)
+
+    def apply_in_place(self, grad: torch.Tensor, site: Site) -> None:
+        """For the kinds that own a ``.grad`` (post_accumulate, pre_step): transform it out of place,
+        as every transform does, and write the result back into the same tensor."""
+        new = self.apply(grad, site)
+        if new is not grad:
+            with torch.no_grad():
+                grad.copy_(new)
+
+    def apply_tensor(self, x: torch.Tensor, site: Site, aux: Any, index: int | str | None) -> torch.Tensor:
+        sel = self.select
+        part = x if sel is None else self._take(sel, x, site)
+        version = part._version
+        tf = self.transform
+        if not tf.wants_ctx:
+            y = tf.call(part)
+        elif tf.needs_ctx:
+            y = tf.call(part, self._ctx(site, aux, index))
+        else:
+            y = tf.call(part, None)
+        if part._version != version:
+            raise TransformOutputError(
+                f"transform {tf.name!r} modified its input in place on {_where(site, index)}. Transforms must "
+                "work out of place: return a new tensor (x.clamp(...), not x.clamp_(...)).",
+                spec=self.spec.name, field="transform")
+        if y is part:
+            if self.clock.measuring and not self.probe:
+                self.measure(part, part)
+            return x
+        if not isinstance(y, torch.Tensor):
+            raise TransformOutputError(
+                f"transform {tf.name!r} returned {type(y).__name__} on {_where(site, index)}; it must return a "
+                f"tensor of shape {tuple(part.shape)}, dtype {part.dtype}, device {part.device}.",
+                spec=self.spec.name, field="transform")
+        if y.shape != part.shape or y.dtype != part.dtype or y.device != part.device:
+            raise TransformOutputError(
+                f"transform {tf.name!r} changed the tensor on {_where(site, index)} (kind {self.spec.kind!r}): "
+                f"expected shape {tuple(part.shape)}, {part.dtype}, {part.device}; got shape {tuple(y.shape)}, "
+                f"{y.dtype}, {y.device}. A hook must keep shape, dtype and device.",
+                spec=self.spec.name, field="transform")
+        if self.clock.measuring and not self.probe:
+            self.measure(part, y)
+        return y if sel is None else sel.put(x, y)
+
+    def _take(self, sel: Selector, x: torch.Tensor, site: Site) -> torch.Tensor:
+        try:
+            return sel.take(x)
+        except LookupError as e:
+            raise SpecError(f"{e} (target {site.name!r}, kind {self.spec.kind!r}).", spec=self.spec.name,
+                            field="select") from None
+
+    def _ctx(self, site: Site, aux: Any, index: int | str | None) -> HookContext:
+        ctx = site.ctx
+        if ctx is None:
+            ctx = site.ctx = HookContext(self.spec.name, self.spec.kind, site.name, 0, state=self.transform.state,
+                                         records=self.records, emitted=self.emitted)
+        ctx.step = self.clock.step
+        ctx.index = index
+        ctx.aux = aux
+        ctx.measuring = self.clock.measuring
+        return ctx
+
+    def saw_nothing(self, site: Site, why: str) -> None:
+        """The transform saw no tensor on this call: a dry-run error, and a one-time warning in training."""
+        site.empty += 1
+        site.empty_why = why
+        if not site.warned and not self.clock.ignore_schedule:
+            site.warned = True
+            warnings.warn(HookWarning(
+                f"hooks.{self.spec.name}: the transform saw no tensor at target {site.name!r} (kind "
+                f"{self.spec.kind!r}: {why}), so the hook does nothing there. {_fix_for(self.spec)}"), stacklevel=3)
+
+    # -- measuring --------------------------------------------------------------------------------
+    def measure(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """Accumulate what the hook did to one tensor, on device (read back by ``HookHandle.stats``)."""
+        if after is before:  # returned unchanged: change 0, cosine 1, nothing changed; no tensor op
+            self._same += 1
+            self._effect_tensors += 1
+            self._effect_numel += before.numel()
+            return
+        self.measure_many([before], [after])
+
+    def measure_many(self, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+        """:meth:`measure` for several tensors at once. Tensors returned unchanged cost nothing."""
+        changed = [(x, y) for x, y in zip(before, after, strict=True) if y is not x]
+        self._same += len(before) - len(changed)
+        self._effect_tensors += len(before)
+        self._effect_numel += sum(x.numel() for x in before)
+        if changed:
+            with torch.no_grad():
+                rows = effect_rows([x for x, _ in changed], [y for _, y in changed])
+            self.add_effects(rows.sum(dim=0))
+
+    def add_effects(self, row: torch.Tensor, tensors: int = 0, numel: int = 0) -> None:
+        """Add summed ``[change, cosine, changed]`` rows (and, when not counted yet, their tensors and elements)."""
+        self._effect_tensors += tensors
+        self._effect_numel += numel
+        self._effect_sum = row if self._effect_sum is None else self._effect_sum + row.to(self._effect_sum.device)
+
+    def effects(self, reset: bool) -> tuple[torch.Tensor | None, int, int, int]:
+        """(device sums, tensors returned unchanged, tensors measured, elements measured) since the last reset."""
+        out = (self._effect_sum, self._same, self._effect_tensors, self._effect_numel)
+        if reset:
+            self._effect_sum, self._same, self._effect_tensors, self._effect_numel = None, 0, 0, 0
+        return out
+
+
+def effect_rows(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+    """What a hook did to each tensor pair, in float32: ``[‖y - x‖, cos(x, y), elements changed]`` (``[n, 3]``,
+    on the device). Four foreach norms and one subtraction whatever the number of tensors; the dot product
+    comes from the norms (``x·y = (‖x‖² + ‖y‖² - ‖y - x‖²) / 2``). A zero tensor has cosine 0 with anything."""
+    xs = [t.detach() if t.dtype == torch.float32 else t.detach().float() for t in before]
+    ys = [t.detach() if t.dtype == torch.float32 else t.detach().float() for t in after]
+    diff = torch._foreach_sub(ys, xs)
+    change, nx, ny = (torch.stack(torch._foreach_norm(v)) for v in (diff, xs, ys))
+    # elements changed: the L1 norm of sign(y - x) (a count-nonzero norm, ord 0, is several times slower on the CPU)
+    changed = torch.stack(torch._foreach_norm(torch._foreach_sign(diff), 1))
+    dot = (nx.square() + ny.square() - change.square()) / 2
+    cos = (dot / (nx * ny).clamp(min=1e-12)).clamp(-1.0, 1.0)
+    return torch.stack([change, cos, changed], dim=1)
+
+
+def _where(site: Site, index: int | str | None) -> str:
+    return f"target {site.name!r}" + (f"[{index!r}]" if index is not None else "")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    if values.is_structured(value):
+        return f"a {type(value).__name__} without tensors"
+    return f"a {type(value).__name__}, not a tensor"
+
+
+def _fix_for(spec: HookSpec) -> str:
+    if spec.input is not None:
+        return f"Check that the module is called with {spec.input!r} (positionally or by keyword)."
+    if spec.index is not None:
+        return f"Check that index {spec.index!r} picks a tensor."
+    if spec.kind in ("backward", "backward_legacy"):
+        return "grad_input holds grads w.r.t. the module inputs: None where the input needs no grad (a first layer)."
+    return "Check the target and kind."
