@@ -1,0 +1,10 @@
+"""hookexp's telemetry: what a training run measures and how a log step reads it back.
+
+``stats`` describes tensors (the one statistics path, shard-aware); ``readback`` is the protocol every
+producer follows and the one device-to-host copy of a log step.
+"""
+
+from hookexp.telemetry.readback import Decode, Pending, Producer, read, wide_dtype
+from hookexp.telemetry.stats import STATS, TensorStats, bin_edges
+
+__all__ = ["STATS", "Decode", "Pending", "Producer", "TensorStats", "bin_edges", "read", "wide_dtype"]

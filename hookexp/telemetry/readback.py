@@ -1,0 +1,51 @@
+"""The one read-back of a log step: every producer hands over a device tensor and a decoder.
+
+A producer (gradient statistics, the train meter, hook effects, the guard) implements :class:`Producer`:
+``pending()`` returns ``(values, decode)``, where ``values`` is a tensor of any shape on the training
+device (or None: nothing to read) computed without a host sync, and ``decode(host)`` turns that tensor's
+host copy, a flat float64 numpy array (float32 on MPS, which has no float64), into ``{key: value}``:
+floats for metrics, ``(counts, edges)`` numpy pairs for histograms (keys ending in ``/hist``).
+:func:`read` joins every producer's values into one tensor and copies it to the host once: one sync a
+log step, whatever the number of producers, and no producer reads another's values by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+Decode = Callable[[np.ndarray], dict[str, Any]]
+Pending = tuple["torch.Tensor | None", Decode]
+
+
+class Producer(Protocol):
+    def pending(self) -> Pending:
+        """This log step's values (no host sync) and the decoder of their host copy."""
+        ...
+
+
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """What sums and read-backs are kept in: float64, except on MPS (which has none)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def read(pending: Iterable[Pending]) -> dict[str, Any]:
+    """Every producer's values, read back in one device-to-host copy and decoded into one dict."""
+    pending = list(pending)
+    parts = [t for t, _ in pending if t is not None]
+    host = np.empty(0)
+    if parts:
+        device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
+        wide = wide_dtype(device)
+        joined = torch.cat([t.detach().reshape(-1).to(device, wide) for t in parts])
+        host = joined.cpu().numpy()  # the one transfer (on the CPU a view: nothing moves)
+    out: dict[str, Any] = {}
+    start = 0
+    for values, decode in pending:
+        n = 0 if values is None else values.numel()
+        out.update(decode(host[start:start + n]))
+        start += n
+    return out

@@ -1,0 +1,268 @@
+"""Describe tensors: the one statistics path, in plain torch ops, the same on every device.
+
+API::
+
+    describer = TensorStats(stats=STATS, hist_bins=0, hist_sample=None, group=None)
+    values, decode = describer.describe({"grad/fc1.weight": g1, ...}, sharded=())   # no host sync
+    metrics = read([(values, decode), ...])   # hookexp.telemetry.readback: one copy for every producer
+    # {"grad/fc1.weight/norm": 0.12, ..., "grad/fc1.weight/hist": (counts, edges)}
+
+``describe`` returns a :data:`~hookexp.telemetry.readback.Pending` pair: a flat device tensor and the
+decoder of its host copy, so producers built on it (gradients, activations, parameters, updates, optimizer
+state) hand :func:`~hookexp.telemetry.readback.read` their values without reading them themselves. Per
+tensor: ``norm``, ``mean``, ``std`` (unbiased; NaN for one element), ``min``, ``max``, ``frac_zero``,
+``frac_neg`` (those of ``stats``), and with ``hist_bins`` > 0 a histogram over the tensor's [min, max]
+binned as ``torch.histc`` bins (the maximum in the last bin; one value: a unit-wide range around it),
+counted on every element or, with ``hist_sample``, on a fixed subset of at most that many elements of
+each tensor (each rank's part of it) drawn once with replacement (``torch.randint(n, (hist_sample,),
+generator=torch.Generator().manual_seed(0))``), the counts scaled to the tensor's size. NaN counts as
+nonzero and not negative, and makes norm, mean, std, min and max NaN as in torch; a tensor with NaN or Inf
+has no histogram (its min/max say why); empty tensors have no keys; bf16/fp16 are described in float32.
+
+How: the tensors are joined into one float64 buffer of rows (float32 on MPS, which has no float64): one
+``torch.cat``, each tensor filling whole rows, the tail of its last row padded. A dozen row-wise
+reductions and elementwise passes, then ``index_add_``/``scatter_reduce_`` over the rows, give each tensor
+its count, sum, squared deviations from its mean (two passes: exact however large the mean is against the
+spread), zeros, negatives, min and max; the histograms bin every element (or the sampled ones) in one
+pass and count them with one ``index_add_``. About 30 kernels, 50 with histograms, whatever the number
+of tensors, and nothing read back: that is :func:`read`'s one copy. While it runs, a log step holds two
+float64 copies of the described elements (and, for exact histograms, their float32 values and int64 bins);
+nothing is kept between log steps but each layout's index tensors.
+
+Sharded tensors: a DTensor (FSDP2's ``fully_shard`` parameters and their ``.grad``) is
+described from its local shard and placements, a plain tensor named in ``sharded`` as one rank's part of
+a tensor spread over ``group`` (e.g. activations of a data-parallel batch); other plain tensors are the
+same on every rank. When any tensor is sharded and the group has several ranks, each rank's per-tensor
+partials (count, sum, squared deviations, zeros, negatives, min, max) go through ONE all-gather
+(``all_gather_single``) and combine exactly (Chan et al.'s pairwise formula for the deviations); a
+replicated tensor, or mesh dimension, counts on its first rank only. Histograms then bin each shard
+over the global range and sum the counts in ONE ``all_reduce``: 1 collective a log step, 2 with
+histograms, for all tensors together; none when nothing is sharded. Every rank must describe the same
+keys in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hookexp.errors import ConfigError, did_you_mean
+from hookexp.telemetry.readback import Pending, wide_dtype
+
+STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
+COLUMNS = 7  # per row, tensor or rank: elements, sum, squared deviations, zeros, negatives, min, max
+
+
+def _nothing(host: np.ndarray) -> dict[str, Any]:
+    return {}
+
+
+class TensorStats:
+    """Describes named tensors on log steps; ``group`` is the process group sharded tensors are spread
+    over (None: the default group, when ``torch.distributed`` is initialized)."""
+
+    def __init__(self, stats: Collection[str] = STATS, hist_bins: int = 0, hist_sample: int | None = None,
+                 group: Any = None):
+        unknown = [s for s in stats if s not in STATS]
+        if unknown:
+            raise ValueError(f"unknown statistic {unknown[0]!r}; the statistics are {', '.join(STATS)}."
+                             f"{did_you_mean(unknown[0], STATS)}")
+        if hist_bins < 0:
+            raise ConfigError(f"must be 0 (no histograms) or more, got {hist_bins}.", key="stats.hist_bins")
+        if hist_sample is not None and hist_sample < 1:
+            raise ConfigError(f"must be at least 1 (or null: count every element), got {hist_sample}.",
+                              key="stats.hist_sample")
+        self.stats = [s for s in STATS if s in stats]
+        self.hist_bins, self.hist_sample, self.group = hist_bins, hist_sample, group
+        self._layouts: OrderedDict[Any, _Layout] = OrderedDict()
+
+    @torch.no_grad()
+    def describe(self, tensors: Mapping[str, torch.Tensor], sharded: Collection[str] = ()) -> Pending:
+        """``(values, decode)`` for ``tensors`` (key -> tensor; metric keys are ``<key>/<stat>`` and
+        ``<key>/hist``); ``sharded``: the keys of plain tensors that are this rank's part of a tensor."""
+        if not tensors:
+            return None, _nothing
+        keys = list(tensors)
+        ranks = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank(self.group) if ranks > 1 else 0
+        parts = [_placed(k, t, k in sharded, rank) for k, t in tensors.items()]
+        ranks = ranks if any(spread for _, spread, _ in parts) else 1
+        local = [t if ranks == 1 or own else t.reshape(-1)[:0] for t, _, own in parts]  # a replica: one rank
+        key = (tuple(keys), tuple(t.numel() for t in local), local[0].device, ranks)
+        layout = self._layouts.pop(key, None) or _Layout(keys, self.stats, local, ranks, self.hist_sample)
+        self._layouts[key] = layout
+        if len(self._layouts) > 8:  # e.g. activations of a smaller last batch: a few layouts, the oldest go
+            self._layouts.popitem(last=False)
+
+        x = torch.cat([p for t, pad in zip(local, layout.pads, strict=True) for p in (t.reshape(-1), pad)
+                       if p is not None])
+        x = x.to(layout.wide).view(layout.rows, layout.width)
+        binned = _bin_values(x, layout) if self.hist_bins else None
+        table = _partials(x, layout)
+        if ranks > 1:
+            everyone = table.new_empty(ranks * len(keys), COLUMNS)
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, table, group=self.group)
+            table = _combine(everyone, layout.rank_seg, len(keys))
+        values = table.view(-1)
+        if binned is not None:
+            counts = _histograms(*binned, table, layout, self.hist_bins)
+            if ranks > 1:
+                dist.all_reduce(counts, group=self.group)
+            values = torch.cat([values, counts])
+        return values, lambda host: _decode(host, layout, self.stats, self.hist_bins)
+
+
+def _placed(key: str, t: torch.Tensor, sharded: bool, rank: int) -> tuple[torch.Tensor, bool, bool]:
+    """(local tensor, whether it is one part of a tensor spread over ranks, whether this rank counts it
+    when the ranks' partials are combined)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:  # a plain tensor
+        return t, sharded, sharded or rank == 0
+    if any(p.is_partial() for p in placements):
+        raise ValueError(f"cannot describe {key!r}: its DTensor placement is Partial (a pending sum over ranks). "
+                         "Describe it after its reduction (FSDP2's gradients are Shard after backward), or "
+                         "redistribute it to Shard or Replicate first.")
+    coord = t.device_mesh.get_coordinate()
+    own = coord is not None and all(c == 0 for c, p in zip(coord, placements, strict=True) if not p.is_shard())
+    return t.to_local(), any(p.is_shard() for p in placements), own
+
+
+class _Layout:
+    """How one list of local tensor sizes lies in rows, built once and reused: the pads at the end of each
+    tensor's last row, which tensor each row belongs to and how many elements it holds, and the histogram
+    positions."""
+
+    def __init__(self, keys: list[str], stats: list[str], local: list[torch.Tensor], ranks: int,
+                 hist_sample: int | None):
+        self.keys = [[f"{k}/{s}" for s in stats] for k in keys]  # the decoder's, made once
+        self.hist_keys = [f"{k}/hist" for k in keys]
+        sizes = [t.numel() for t in local]
+        device, self.wide = local[0].device, wide_dtype(local[0].device)
+        self.width = w = 2 ** min(14, max(4, round(math.log2(max(1.0, sum(sizes) / len(sizes)) ** 0.5))))
+        rows = [-(-n // w) for n in sizes]
+        self.rows, ends = sum(rows), np.cumsum(rows) * w
+        pads = [r * w - n for n, r in zip(sizes, rows, strict=True)]
+        zeros = torch.zeros(w, device=device)  # float32: cat then promotes nothing but bf16/fp16 (faster)
+        self.pads = [zeros[:p] if p else None for p in pads]
+        pad_at = torch.cat([torch.arange(int(e) - p, int(e)) for e, p in zip(ends, pads, strict=True)])
+        self.pad_at, self.pad_row = pad_at.to(device), (pad_at // w).to(device)
+        tensor = torch.arange(len(sizes))
+        self.row_seg = tensor.repeat_interleave(torch.tensor(rows)).to(device)
+        row_n = [min(w, n - i * w) for n, r in zip(sizes, rows, strict=True) for i in range(r)]
+        self.row_n = torch.tensor(row_n, dtype=self.wide, device=device)
+        self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
+        self.rank_seg = tensor.repeat(ranks).to(device)
+        self.pos = self.pos_seg = self.scale = None
+        if hist_sample is not None and max(sizes) > hist_sample:  # else every element is counted, in place
+            gen = [torch.Generator().manual_seed(0) for _ in sizes]
+            picks = [torch.randint(n, (hist_sample,), generator=g).sort().values if n > hist_sample
+                     else torch.arange(n) for n, g in zip(sizes, gen, strict=True)]
+            starts = np.cumsum([0, *rows[:-1]]) * w
+            self.pos = torch.cat([int(s) + p for s, p in zip(starts, picks, strict=True)]).to(device)
+            taken = torch.tensor([len(p) for p in picks])
+            self.pos_seg = tensor.repeat_interleave(taken).to(device)
+            self.scale = (torch.tensor(sizes, dtype=torch.float64) / taken.clamp_min(1)).to(device, self.wide)
+
+
+def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """``[tensors, COLUMNS]`` partials of this rank's elements (count, sum, squared deviations from the mean,
+    zeros, negatives, min, max), from row-wise reductions summed per tensor; ``x`` is used up. The pads,
+    zeros from ``torch.cat`` while the sums and signs are counted, are then set to their tensor's mean: they
+    keep min and max, and add nothing to the deviations. Two passes, the second's squares corrected by its sum
+    (shifted sums): exact however large the mean is against the spread, in float64 and in MPS's float32.
+    NaN is nonzero and not negative; min and max propagate it."""
+    seg, n = layout.row_seg, len(layout.sizes)
+    total = x.sum(1)
+    sign = x.nan_to_num(1.0).sign_()  # NaN as +1: nonzero, not negative
+    balance = sign.sum(1)  # positives - negatives
+    nonzero = sign.abs_().sum(1)  # positives + negatives
+    del sign
+    mean = x.new_zeros(n).index_add_(0, seg, total) / layout.sizes.clamp_min(1)
+    shift = mean.nan_to_num_(0.0, math.inf, -math.inf)[seg]  # a tensor with NaN or +-Inf: pads 0 or the Inf
+    if len(layout.pad_at):
+        x.view(-1).index_put_((layout.pad_at,), shift[layout.pad_row])
+    lo, hi = x.amin(1), x.amax(1)
+    deviations = x.sub_(shift[:, None]).sum(1)  # what the mean's rounding leaves: taken out of the squares
+    squares = x.square_().sum(1)
+    rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, (nonzero - balance) / 2], 1)
+    out = x.new_zeros(n, COLUMNS)
+    out[:, :5].index_add_(0, seg, rows)
+    out[:, 2] -= x.new_zeros(n).index_add_(0, seg, deviations).square_() / layout.sizes.clamp_min(1)
+    out[:, 5] = x.new_full((n,), math.inf).scatter_reduce_(0, seg, lo, "amin")
+    out[:, 6] = x.new_full((n,), -math.inf).scatter_reduce_(0, seg, hi, "amax")
+    return out
+
+
+def _combine(parts: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+    """The ranks' partials (``[ranks * n, COLUMNS]``) of the ``n`` tensors ``seg`` assigns them to, combined:
+    squared deviations by Chan et al.'s formula, the parts' own plus count x (part mean - mean)^2."""
+    out = parts.new_zeros(n, COLUMNS).index_add_(0, seg, parts)
+    count = parts[:, 0]
+    spread = (parts[:, 1] / count.clamp_min(1) - (out[:, 1] / out[:, 0].clamp_min(1))[seg]) ** 2
+    out[:, 2].index_add_(0, seg, count * spread)
+    out[:, 5] = out.new_full((n,), math.inf).scatter_reduce_(0, seg, parts[:, 5], "amin")
+    out[:, 6] = out.new_full((n,), -math.inf).scatter_reduce_(0, seg, parts[:, 6], "amax")
+    return out
+
+
+def _bin_values(x: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the histograms count, taken before :func:`_partials` uses ``x`` up, as float32 (``torch.histc``
+    bins in the input's dtype), with the tensor each belongs to: every element where it lies (the pads NaN,
+    which an extra bin per tensor takes and drops), or the sampled positions."""
+    if layout.pos is None:
+        every = x.to(torch.float32, copy=True)
+        return every.view(-1).index_fill_(0, layout.pad_at, math.nan).view_as(x), layout.row_seg[:, None]
+    return x.view(-1).take(layout.pos).float(), layout.pos_seg
+
+
+def _histograms(values: torch.Tensor, seg: torch.Tensor, table: torch.Tensor, layout: _Layout,
+                bins: int) -> torch.Tensor:
+    """``[tensors * bins]`` counts of ``values`` over each tensor's [min, max] with ``torch.histc``'s float32
+    arithmetic, scaled to the tensor's size where a subset was counted."""
+    lo, hi = table[:, 5], table[:, 6]
+    one = hi <= lo  # one value: a unit-wide range around it, as the bin edges
+    lo, hi = torch.where(one, lo - 0.5, lo).float(), torch.where(one, hi + 0.5, hi).float()
+    at = ((values - lo[seg]) * bins / (hi - lo)[seg]).clamp_(0, bins - 1).nan_to_num_(bins).long()
+    at = at.add_(seg * (bins + 1)).view(-1)
+    counts = table.new_zeros(len(table) * (bins + 1)).index_add_(0, at, table.new_ones(1).expand(len(at)))
+    counts = counts.view(-1, bins + 1)[:, :bins]
+    return (counts if layout.scale is None else counts * layout.scale[:, None]).reshape(-1)
+
+
+def _decode(host: np.ndarray, layout: _Layout, stats: list[str], bins: int) -> dict[str, Any]:
+    """The decoder of :meth:`TensorStats.describe`'s values: metrics and histograms by key."""
+    n_tensors = len(layout.keys)
+    table = np.asarray(host[:n_tensors * COLUMNS], dtype=np.float64).reshape(n_tensors, COLUMNS)
+    n, total, squares, zeros, negs, lo, hi = table.T
+    has_nan = np.isnan(lo) | np.isnan(hi)
+    finite = np.isfinite(lo) & np.isfinite(hi)
+    with np.errstate(all="ignore"):
+        col = {"norm": np.where(finite, np.sqrt(squares + total * total / n), np.where(has_nan, np.nan, np.inf)),
+               "mean": np.where(has_nan, np.nan, total / n),
+               "std": np.where(finite & (n > 1), np.sqrt(np.maximum(squares, 0.0) / (n - 1)), np.nan),
+               "min": lo, "max": hi, "frac_zero": zeros / n, "frac_neg": negs / n}
+    rows = np.stack([col[s] for s in stats], 1).tolist()
+    out: dict[str, Any] = {k: v for i in np.flatnonzero(n).tolist()
+                           for k, v in zip(layout.keys[i], rows[i], strict=True)}
+    if bins:
+        counts = np.asarray(host[n_tensors * COLUMNS:], dtype=np.float64).reshape(n_tensors, bins)
+        drawn = np.flatnonzero(finite).tolist()
+        edges = bin_edges(lo[drawn], hi[drawn], bins)
+        out.update({layout.hist_keys[i]: (counts[i], e) for i, e in zip(drawn, edges, strict=True)})
+    return out
+
+
+def bin_edges(lo: np.ndarray, hi: np.ndarray, bins: int) -> np.ndarray:
+    """``[len(lo), bins + 1]`` edges of equal bins over each [lo, hi], the first exactly ``lo`` and the
+    last exactly ``hi`` (as ``np.linspace``); a range of one value gets a unit-wide one around it."""
+    one = hi <= lo
+    lo, hi = np.where(one, lo - 0.5, lo), np.where(one, lo + 0.5, hi)
+    edges = np.multiply.outer((hi - lo) / bins, np.arange(bins + 1.0)) + lo[:, None]
+    edges[:, -1] = hi
+    return edges
