@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from hookexp.engine import validate
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
+from hookexp.run.train import check_hooks
 
 GROUPS = ("task", "model", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger", "experiment")
 CPU = torch.device("cpu")
@@ -93,9 +93,8 @@ HOOK_JOBS = {"ablate_attn_eval": FOR_GPT}
 @pytest.mark.parametrize("hooks", options("hooks"))
 def test_every_hook_set_passes_the_dry_run_on_a_model_it_fits(hooks):
     cfg = compose("config", overrides=[f"hooks={hooks}", *HOOK_JOBS.get(hooks, [])])
-    parts = build(cfg, Dist(), CPU)
     specs = OmegaConf.to_container(cfg.hooks, resolve=True)
-    report = validate(parts.model, specs, next(parts.loaders.epoch(0)), parts.optimizer)
+    report = check_hooks(build(cfg, Dist(), CPU), specs)
     assert report.ok, report.errors
     assert [r["spec"] for r in report.rows] == list(specs)
     assert all(r["targets"] and r["calls_per_step"] > 0 for r in report.rows), report.rows
@@ -148,9 +147,7 @@ def test_typos_fail_at_compose(override, pattern):
 def test_every_experiment_composes_and_passes_the_dry_run(experiment):
     cfg = compose("config", overrides=[f"experiment={experiment}"])
     assert cfg.logger.group == experiment  # each study groups its W&B runs
-    parts = build(cfg, Dist(), CPU)
-    report = validate(parts.model, OmegaConf.to_container(cfg.hooks, resolve=True), next(parts.loaders.epoch(0)),
-                      parts.optimizer)
+    report = check_hooks(build(cfg, Dist(), CPU), OmegaConf.to_container(cfg.hooks, resolve=True))
     assert report.ok and report.rows, report.errors
 
 
@@ -172,3 +169,18 @@ def test_there_are_three_studies_with_their_results():
 def test_every_sweep_composes(sweep):
     cfg = compose("config", overrides=[f"sweep={sweep}"], return_hydra_config=True)
     assert cfg.hydra.sweeper.params
+
+
+def test_every_package_and_config_folder_ships_in_the_wheel():
+    """pyproject.toml lists its packages: a new package or config group missing there works in an editable
+    install and is absent from a wheel."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    code = {".".join(p.parent.relative_to(root).parts) for p in (root / "hookexp").rglob("__init__.py")}
+    conf = {".".join(("hookexp", "conf", *p.parent.relative_to(root / "conf").parts))
+            for p in (root / "conf").rglob("*.yaml")}
+    assert code | conf <= listed, sorted((code | conf) - listed)

@@ -313,16 +313,20 @@ def shut_down(cfg: DictConfig, run_dir: Path, status: str, loop: LoopState, part
     return summary
 
 
+def check_hooks(parts: Parts, specs: Any) -> Any:
+    """The hooks checked on the first training batch, through the task's own forward and loss."""
+    batch = to_device(next(parts.loaders.epoch(0)), parts.device)
+    task = parts.task
+    return validate(parts.model, specs, batch, parts.optimizer, forward=lambda model, b: task.forward(model, b),
+                    loss_fn=lambda output, b: task.loss(output, b))
+
+
 def dry_run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> None:
     """``+dry_run=true``: check the hooks on one training batch, print the table, train nothing.
 
     Writes ``dry_run.json`` (the table and errors); a failed check raises :class:`HookCheckError`."""
     device = pick_device(cfg.trainer.device)
-    parts = build(cfg, distributed.Dist(), device, overrides)
-    batch = to_device(next(parts.loaders.epoch(0)), device)
-    task = parts.task
-    report = validate(parts.model, hook_specs(cfg), batch, parts.optimizer,
-                      forward=lambda model, b: task.forward(model, b), loss_fn=lambda out, b: task.loss(out, b))
+    report = check_hooks(build(cfg, distributed.Dist(), device, overrides), hook_specs(cfg))
     print(report.render(), flush=True)
     require_writable(run_dir)
     write_json_atomic(run_dir / "dry_run.json", {"ok": report.ok, "hooks": report.rows, "errors": report.errors})
