@@ -186,9 +186,14 @@ def test_unknown_nan_policy_and_precision_are_refused_and_detach_the_hooks(tmp_p
     ("data.val_fraction=1.5", r"^data\.val_fraction: expected a fraction in \[0, 1\)"),
     ("data.dataset._target_=collections.OrderedDict", r"^data\.dataset: returned a mapping with keys "),
     ("model.in_channels=abc", r"^model\.in_channels: .*abc"),
+    ("stats.grads='re:(['", r"^stats\.grads: invalid regular expression '\(\[': unterminated character set"),
+    ("+hooks.c={target:fc1,kind:output_grad,transform:clamp,args:{min:abc}}",
+     r"^hooks\.c\.args\.min: transform 'clamp' takes a number for 'min', got 'abc'\."),
 ])
 def test_bad_settings_are_refused_before_training(tmp_path: Path, override: str, message: str):
-    with pytest.raises(ConfigError, match=message):
+    from hookexp.errors import HookexpError
+
+    with pytest.raises(HookexpError, match=message):
         train(config(override, "trainer.max_steps=2"), tmp_path)
 
 
@@ -322,3 +327,30 @@ def test_an_iterable_data_set_that_yields_nothing_is_an_error_not_a_hang(tmp_pat
         train(config("data.dataset._target_=test_trainer.empty_data", "~data.dataset.val_fraction",
                      "~data.dataset.split_seed", "trainer.max_steps=3", "model=mlp", "model.input_dim=4",
                      "model.output_dim=2"), tmp_path)
+
+
+@pytest.mark.parametrize(("transform", "message"), [
+    ("reshape", r"^hooks\.t\.transform: transform 'user_transforms\.reshape' changed the tensor on target 'fc1' at "
+                r"step 2 \(kind 'forward'\)"),
+    ("in_place", r"^hooks\.t\.transform: transform 'user_transforms\.in_place' modified its input in place on "
+                 r"target 'fc1' at step 2\."),
+])
+def test_a_broken_transform_names_the_spec_the_target_and_the_step(tmp_path: Path, transform: str, message: str):
+    from hookexp.errors import TransformOutputError
+
+    spec = f"+hooks.t={{target:fc1,kind:forward,transform:{{_target_:user_transforms.{transform}}},start_step:2}}"
+    with pytest.raises(TransformOutputError, match=message):
+        train(config(spec, "trainer.max_steps=4"), tmp_path)
+
+
+def test_a_transform_that_cuts_the_graph_warns_and_is_named_when_backward_finds_no_graph(tmp_path: Path):
+    from hookexp.errors import HookWarning, TransformOutputError
+
+    with pytest.warns(HookWarning, match=r"hooks\.cut: transform 'user_transforms\.detached' returned a tensor cut "
+                                         r"from the autograd graph at target 'fc1'"):
+        train(config("+hooks.cut={target:fc1,kind:forward,transform:{_target_:user_transforms.detached}}",
+                     "trainer.max_steps=2"), tmp_path / "middle")  # trains: fc2 still learns
+    with pytest.raises(TransformOutputError, match=r"^hooks\.cut\.transform: the loss does not require grad: the "
+                                                   r"transform cut the output from the autograd graph at 'fc2'"):
+        train(config("+hooks.cut={target:fc2,kind:forward,transform:{_target_:user_transforms.detached}}",
+                     "trainer.max_steps=2"), tmp_path / "last")

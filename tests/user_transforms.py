@@ -62,3 +62,8 @@ def huge(x, ctx, factor: float = 1e30):
 def torch_error(x, ctx):
     """Raises torch's own RuntimeError (a shape mismatch) inside the hook."""
     return x + torch.ones(x.numel() + 1)
+
+
+def detached(x, ctx):
+    """Returns the tensor cut from the autograd graph (a common mistake: .detach() or .data in a transform)."""
+    return x.detach()

@@ -83,6 +83,7 @@ class SpecBinding:
         self._calls_at_step_start = 0
         self.records: list[Record] = []
         self.notes: dict[str, set[str]] = {}
+        self.cut_sites: list[str] = []  # targets where the transform cut its output from the autograd graph
         self.emitted: dict[str, list[torch.Tensor]] = {}  # ctx.emit() measurements since the last stats()
         self._effect_sum: torch.Tensor | None = None  # [sum |y-x|, sum cos(x, y), elements changed], on device
         self._same = 0  # measured tensors the transform returned unchanged: change 0, cosine 1, nothing changed
@@ -228,6 +229,8 @@ class SpecBinding:
                 f"expected shape {tuple(part.shape)}, {part.dtype}, {part.device}; got shape {tuple(y.shape)}, "
                 f"{y.dtype}, {y.device}. A hook must keep shape, dtype and device.",
                 spec=self.spec.name, field="transform")
+        if part.requires_grad and not y.requires_grad and torch.is_grad_enabled():
+            self.cut_graph(site)
         if self.clock.measuring and not self.probe:
             self.measure(part, y)
         return y if sel is None else sel.put(x, y)
@@ -249,6 +252,20 @@ class SpecBinding:
         ctx.aux = aux
         ctx.measuring = self.clock.measuring
         return ctx
+
+    def cut_graph(self, site: Site) -> None:
+        """The transform returned a tensor that no longer requires grad while its input did: nothing before the
+        target gets a gradient through it. Intended in a stop-gradient or an ablation in training; a mistake
+        (``.detach()``, ``.data``) otherwise: a one-time warning, and the name :meth:`HookHandle.explain` gives
+        when torch then finds a loss without a graph."""
+        if site.name not in self.cut_sites:
+            self.cut_sites.append(site.name)
+            if not self.clock.ignore_schedule:
+                warnings.warn(HookWarning(
+                    f"hooks.{self.spec.name}: transform {self.transform.name!r} returned a tensor cut from the "
+                    f"autograd graph at target {site.name!r} (its input requires grad, its output does not), so "
+                    "nothing before it gets a gradient through it. Intended for a stop-gradient or an ablation; "
+                    "otherwise return a result computed from the input (not x.detach() or x.data)."), stacklevel=3)
 
     def saw_nothing(self, site: Site, why: str) -> None:
         """The transform saw no tensor on this call: a dry-run error, and a one-time warning in training."""
@@ -311,7 +328,8 @@ def effect_rows(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.
 
 
 def _where(site: Site, index: int | str | None) -> str:
-    return f"target {site.name!r}" + (f"[{index!r}]" if index is not None else "")
+    step = f" at step {site.binding.clock.step}" if not site.binding.clock.ignore_schedule else ""
+    return f"target {site.name!r}" + (f"[{index!r}]" if index is not None else "") + step
 
 
 def _describe(value: Any) -> str:

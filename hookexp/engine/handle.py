@@ -38,7 +38,13 @@ from hookexp.engine.schema import HookSpec, SpecsLike
 from hookexp.engine.specs import collect_specs, raise_all
 from hookexp.engine.targets import resolve
 from hookexp.engine.transforms import HookContext, Record, bind_transform
-from hookexp.errors import ConfigError, HookCompatibilityError, HookexpError, HookRuntimeError
+from hookexp.errors import (
+    ConfigError,
+    HookCompatibilityError,
+    HookexpError,
+    HookRuntimeError,
+    TransformOutputError,
+)
 
 Measure = Literal["read"] | bool | int
 _FULL_BACKWARD = ("backward", "backward_pre")
@@ -360,6 +366,8 @@ class HookHandle:
         if isinstance(known, HookexpError):
             return known
         text = str(exc)
+        if "does not require grad and does not have a grad_fn" in text:
+            return self._explain_cut()
         if "BackwardHookFunction" not in text or "inplace" not in text:
             return None
         hooked = [s for b in self.bindings if b.spec.enabled and b.spec.kind in _FULL_BACKWARD for s in b.sites]
@@ -381,6 +389,19 @@ class HookHandle:
             "which torch forbids around full backward hooks. Use kind 'output_grad' (or 'node') for this target, "
             "or make the in-place op out of place (nn.ReLU(inplace=False); out = out + identity instead of "
             "out += identity).", spec=b.spec.name, field="kind")
+
+    def _explain_cut(self) -> HookexpError | None:
+        """backward() found a loss without a graph: name the specs whose transforms cut their output from it."""
+        cut = [(b.spec.name, site) for b in self.bindings for site in b.cut_sites]
+        if not cut:
+            return None
+        where = ", ".join(f"{site!r} ({name})" for name, site in cut)
+        return TransformOutputError(
+            f"the loss does not require grad: the transform cut the output from the autograd graph at {where} "
+            "(its input required grad, its output does not: .detach(), .data, torch.no_grad() or a constant), and "
+            "nothing after it has parameters to train. Return a result computed from the input, or move the hook "
+            "to evaluation (phase: eval).", spec=cut[0][0] if len({n for n, _ in cut}) == 1 else None,
+            field="transform")
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         self._ran.clear()

@@ -175,7 +175,11 @@ def match(model: nn.Module, pattern: str, on: TargetKind = "module", key: str = 
     if not isinstance(pattern, str):
         raise ConfigError(f"expected a target pattern (a name, glob, 're:' regex or @alias), got {pattern!r}.", key=key)
     spec = HookSpec(name=key, target=pattern, kind="grad" if on == "parameter" else "forward")
-    return [(t.name, t.obj) for t in resolve(model, spec, on, config_key=key).targets]
+    try:
+        return [(t.name, t.obj) for t in resolve(model, spec, on, config_key=key).targets]
+    except SpecError as e:  # a pattern that does not compile: the setting's key, not a hook spec's
+        message = str(e).split(": ", 1)[1] if str(e).startswith("hooks.") else str(e)
+        raise ConfigError(message, key=key) from None
 
 
 def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, match: Callable[[str], bool],

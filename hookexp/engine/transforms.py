@@ -32,6 +32,7 @@ import functools
 import importlib
 import inspect
 import logging
+import typing
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -603,6 +604,26 @@ def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, ski
             spec=spec,
             field="args",
         )
+    _check_numbers(fn, args, name, spec)
+
+
+def _check_numbers(fn: TransformFn, args: dict[str, Any], name: str, spec: str) -> None:
+    """An argument its signature types as a number (``min: float | None``) must be one: ``args.min=abc`` from
+    the command line is an error here, not a TypeError inside the first hook call."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # annotations a user wrote that do not evaluate: nothing to check against
+        return
+    for key, value in args.items():
+        hint = hints.get(key)
+        if hint is None or value is None:
+            continue
+        allowed = set(typing.get_args(hint)) or {hint}
+        numeric = allowed & {int, float}
+        if numeric and allowed <= {int, float, type(None)} and (
+                not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise TransformArgsError(f"transform {name!r} takes a number for {key!r}, got {value!r}.", spec=spec,
+                                     field=f"args.{key}")
 
 
 def _bind_callable(fn: Callable[..., Any], args: dict[str, Any], name: str, spec: str, **extra: Any) -> BoundTransform:
