@@ -21,7 +21,7 @@ from itertools import pairwise
 
 from overhead import MODELS, stats_all, trainer_loop  # this script's folder is on sys.path when it is run
 
-import hookexp.run.train
+import hookexp.run.loop
 
 ENDS: list[float] = []  # perf_counter at the end of every step of the current run
 
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    hookexp.run.train.tqdm = StepClock  # the trainer's one call per step, timed
+    hookexp.run.loop.tqdm = StepClock  # the trainer's one call per step, timed
     print(f"stats.every={args.every}, {args.steps} steps a run, median ms per step; extra = log step - other step")
     print("\n| model | statistics | run | other step | log step | extra | log / other |\n|---|---|---|---|---|---|---|")
     for name in args.models.split(","):

@@ -20,7 +20,7 @@ from pathlib import Path
 import matplotlib
 from hydra import compose, initialize_config_module
 
-from hookexp.run.train import train
+from hookexp.run.loop import train
 
 matplotlib.use("Agg")
 import matplotlib.pyplot

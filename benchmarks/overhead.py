@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_module
 
 from hookexp import attach
-from hookexp.run.train import build_run, train
+from hookexp.run.loop import build_run, train
 
 MODELS = {  # config overrides, and the activation layers that case c describes
     "small_cnn": (["model=small_cnn"], "relu*"),

@@ -110,7 +110,7 @@ def run(cfg: DictConfig) -> Any:
     check_hook_files(hc.job.config_name, overrides)
     apply_ablation(cfg)
     _sweep_defaults(cfg)
-    from hookexp.run.train import dry_run, train  # torch is imported only once the config is checked
+    from hookexp.run.loop import dry_run, train  # torch is imported only once the config is checked
 
     log.info("run directory: %s", run_dir)
     if cfg.get("dry_run"):

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
-from hookexp.run.train import check_hooks
+from hookexp.run.loop import check_hooks
 
 GROUPS = ("task", "model", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger", "experiment")
 CPU = torch.device("cpu")

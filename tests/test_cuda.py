@@ -11,9 +11,9 @@ import torch
 from conftest import read_jsonl
 from hydra import compose, initialize_config_module
 
-import hookexp.run.train as train_module
+import hookexp.run.loop as train_module
 from hookexp.engine import HookHandle
-from hookexp.run.train import train
+from hookexp.run.loop import train
 from hookexp.sinks import Sinks
 from hookexp.stats import Packed, StepStats
 

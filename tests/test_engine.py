@@ -87,7 +87,7 @@ def test_exception_in_transform_names_spec_target_and_step():
     [
         ("in_place", r"hooks\.t\.transform: transform 'user_transforms\.in_place' modified its input in place "
                      r"on target 'fc1'"),
-        ("reshape", r"changed the tensor on target 'fc1' \(kind 'forward'\): expected shape \(4, 64\), "
+        ("reshape", r"changed the tensor on target 'fc1' at step 0 \(kind 'forward'\): expected shape \(4, 64\), "
                     r"torch\.float32, cpu; got shape \(256,\)"),
         ("to_double", r"expected shape \(4, 64\), torch\.float32, cpu; got shape \(4, 64\), torch\.float64"),
     ],

@@ -19,7 +19,7 @@ from conftest import TESTS, read_jsonl
 from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, RunFilesError
-from hookexp.run.train import train
+from hookexp.run.loop import train
 
 STOP = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
 BASE = ["trainer.max_steps=40", "stats.every=3", "stats.hist_bins=4", "hooks=[grad_noise,record_activations]",

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 
 from hookexp.engine import HookHandle, SpecBinding
 from hookexp.errors import ConfigError, NonFiniteError
-from hookexp.run.train import train
+from hookexp.run.loop import train
 from hookexp.stats import Packed, StepStats
 
 

@@ -30,8 +30,8 @@ def compose(*overrides: str, config_dir: str | Path | None = None) -> Any:
 def train(cfg: Any, run_dir: str | Path) -> dict[str, Any]:
     """Run the job ``cfg`` describes into ``run_dir`` (refused if it holds another run's results); returns the
     summary."""
+    from hookexp.run.loop import train as train_job
     from hookexp.run.rundir import claim
-    from hookexp.run.train import train as train_job
 
     run_dir = Path(run_dir)
     claim(run_dir.absolute(), cfg.get("resume"), cfg.get("overwrite"))
