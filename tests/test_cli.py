@@ -80,6 +80,8 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
         (["+optim.betas=[0.9,0.99]"], ["hookexp: error: optim.betas: SGD has no parameter 'betas'.",
                                        "Its parameters: lr, momentum, dampening, weight_decay, nesterov,"]),
         (["optim=adamw", "optim.lr=abc"], ["hookexp: error: optim.lr: expected a number, got 'abc'."]),
+        (["task=causal_lm"], ["hookexp: error: task: task 'causal_lm' needs logits of shape [batch, length, vocab], "
+                              "got (64, 10)."]),  # the small CNN's classifier: refused before the run starts
     ],
 )
 def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directory(args, expected, workdir):

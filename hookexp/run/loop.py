@@ -73,6 +73,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     # -- build; then hooks and probes, attached before wrapping and compiling (targets keep their names) ----
     parts = build(cfg, ranks, device, overrides)
     model, optimizer, task = parts.model, parts.optimizer, parts.task
+    preflight(parts)
     hooks = attach(model, hook_specs(cfg), optimizer, measure=False)
     telemetry: Telemetry | None = None
     try:
@@ -101,6 +102,19 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             summary = shut_down(cfg, run_dir, status, loop, parts, hooks, telemetry, records, local, sinks, ckpt,
                                 started)
     return summary
+
+
+@torch.no_grad()
+def preflight(parts: Parts) -> None:
+    """The task on one training batch (eval mode, no grad, no hooks: nothing changes, no random draw), so that a
+    model and data the task cannot use (no logits, missing labels, wrong shapes) fail before the run starts."""
+    parts.model.eval()
+    try:
+        batch = to_device(next(parts.loaders.epoch(0)), parts.device)
+        output = parts.task.forward(parts.model, batch)
+        parts.task.sums(output, batch, parts.task.loss(output, batch))
+    finally:
+        parts.model.train()
 
 
 def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hooks: HookHandle,
