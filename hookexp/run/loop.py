@@ -110,7 +110,11 @@ def preflight(parts: Parts) -> None:
     model and data the task cannot use (no logits, missing labels, wrong shapes) fail before the run starts."""
     parts.model.eval()
     try:
-        batch = to_device(next(parts.loaders.epoch(0)), parts.device)
+        batch = next(parts.loaders.epoch(0), None)
+        if batch is None:
+            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
+                              "one that yields nothing). Check the data factory.", key="data.dataset")
+        batch = to_device(batch, parts.device)
         output = parts.task.forward(parts.model, batch)
         parts.task.sums(output, batch, parts.task.loss(output, batch))
     finally:
