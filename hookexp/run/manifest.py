@@ -12,7 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("hookexp", "torch", "hydra-core", "omegaconf", "wandb", "numpy", "scikit-learn", "tqdm", "matplotlib")
+PACKAGES = ("hookexp", "torch", "hydra-core", "omegaconf", "wandb", "numpy", "scikit-learn", "tqdm", "matplotlib",
+            "transformers", "datasets", "accelerate", "lightning", "torchvision")  # None: not installed
 
 
 def package_versions() -> dict[str, str | None]:
