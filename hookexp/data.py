@@ -420,12 +420,17 @@ def _base_dir() -> Path:
     return Path.cwd()
 
 
+def _resolve(path: Any) -> Path:
+    """A path from the config: absolute, or relative to where hookexp was started."""
+    resolved = Path(str(path)).expanduser()
+    return resolved if resolved.is_absolute() else _base_dir() / resolved
+
+
 def _existing(path: Any, key: str, what: str) -> Path:
     if path is None or path == "":
         raise ConfigError(f"is not set; give {what}.", key=key)
     base = _base_dir()
-    resolved = Path(str(path)).expanduser()
-    resolved = resolved if resolved.is_absolute() else base / resolved
+    resolved = _resolve(path)
     if not resolved.exists():
         raise ConfigError(f"{str(path)!r} does not exist (looked in {resolved.parent}). Give {what}, relative to "
                           f"{base} or absolute.", key=key)
@@ -447,9 +452,7 @@ def _hf_tokenizer(tokenizer: Any, key: str) -> Any:
     """A local HF tokenizer folder, loaded without network access."""
     if not isinstance(tokenizer, (str, Path)):
         raise ConfigError(f"must be 'char' or a local tokenizer folder, got {tokenizer!r}.", key=key)
-    base = _base_dir()
-    folder = Path(str(tokenizer)).expanduser()
-    folder = folder if folder.is_absolute() else base / folder
+    folder = _resolve(tokenizer)
     if not folder.is_dir():
         raise ConfigError(f"{str(tokenizer)!r} is neither 'char' nor an existing folder (looked in {folder.parent})."
                           f"{did_you_mean(str(tokenizer), ['char'])} Use char, or a folder written by a "
