@@ -15,11 +15,13 @@ W&B runs of a sweep are grouped by the sweep directory and named by the job's ov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 import traceback
+import typing
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,7 +33,7 @@ from omegaconf import DictConfig, open_dict
 
 from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
-from hookexp.run import rundir
+from hookexp.run import launchers, rundir
 
 log = logging.getLogger("hookexp")
 
@@ -46,11 +48,19 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"unknown top-level key.{did_you_mean(str(key), known)} Keys you may add: {extras}.",
                               key=str(key))
     for group, schema in TYPED_GROUPS.items():
-        fields = list(schema.__dataclass_fields__)
-        for key in cfg.get(group) or {}:
-            if key not in fields:
-                raise ConfigError(f"unknown key.{did_you_mean(str(key), fields)} {group} has: {', '.join(fields)}.",
-                                  key=f"{group}.{key}")
+        _check_fields(cfg.get(group), schema, group)
+
+
+def _check_fields(node: Any, schema: Any, where: str) -> None:
+    """The keys of ``node`` against the dataclass ``schema``, and of its nested dataclasses (``trainer.fsdp``)."""
+    hints = typing.get_type_hints(schema)
+    fields = list(schema.__dataclass_fields__)
+    for key in node or {}:
+        if key not in fields:
+            raise ConfigError(f"unknown key.{did_you_mean(str(key), fields)} {where} has: {', '.join(fields)}.",
+                              key=f"{where}.{key}")
+        if dataclasses.is_dataclass(hints[key]):
+            _check_fields(node[key], hints[key], f"{where}.{key}")
 
 
 def check_hook_files(config_name: str, overrides: list[str]) -> None:
@@ -165,6 +175,7 @@ class RunDirPolicy(Callback):
     created: ClassVar[dict[str, bool]] = {}  # run dir -> whether this launch creates it
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        launchers.check_launcher(config.hydra.get("launcher"), multirun=False)
         try:
             run_dir = Path(os.path.abspath(str(config.hydra.run.dir)))
         except Exception:  # an interpolation only the job can resolve: the run layer checks it then
@@ -173,6 +184,7 @@ class RunDirPolicy(Callback):
             str(run_dir), rundir.claim(run_dir, config.get("resume"), config.get("overwrite"))))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(lambda: launchers.check_launcher(config.hydra.get("launcher"), multirun=True))
         _exit_on_error(lambda: rundir.claim_sweep(Path(str(config.hydra.sweep.dir)), config.get("overwrite")))
 
 

@@ -29,6 +29,14 @@ if not OmegaConf.has_resolver("hookexp_help"):  # the kind and alias lists of `p
 
 
 @dataclass
+class FsdpConfig:
+    """``trainer.fsdp``: how ``trainer.strategy=fsdp`` shards the model (FSDP2, ``fully_shard``)."""
+
+    wrap: Optional[str] = "@blocks"  # noqa: UP045 - modules sharded as their own unit (target grammar); null: root only
+    reshard_after_forward: bool = True  # free each unit's gathered parameters after its forward (less memory)
+
+
+@dataclass
 class TrainerConfig:
     epochs: int = 10
     max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps
@@ -43,6 +51,8 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model after the hooks are attached
     compile_backend: str = "inductor"
     checkpoint_every: Optional[int] = None  # noqa: UP045 - steps between checkpoints (and always on SIGTERM)
+    strategy: str = "auto"  # auto | ddp | fsdp: auto is one process, or DDP under torchrun
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
 
 @dataclass

@@ -358,7 +358,8 @@ def test_a_transform_that_cuts_the_graph_warns_and_is_named_when_backward_finds_
 
 def test_the_python_api_stays_the_same_functions_after_a_run(tmp_path: Path):
     """hookexp.run.train is a function; the loop's module has another name, so importing it cannot replace it."""
-    from hookexp.run import compose, train as run_train
+    from hookexp.run import compose
+    from hookexp.run import train as run_train
 
     summary = run_train(compose("trainer.max_steps=2", "logger=none", "trainer.progress=false"), tmp_path / "a")
     assert summary["trainer/steps"] == 2

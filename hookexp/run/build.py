@@ -27,7 +27,7 @@ from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hookexp.errors import ConfigError, did_you_mean
-from hookexp.run.distributed import Dist
+from hookexp.run.distributed import Dist, shard
 from hookexp.run.loaders import Loaders, make_loaders
 from hookexp.tasks import Task
 
@@ -316,7 +316,10 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{model_cfg._target_} built a {type(model).__name__}, not a torch.nn.Module.", key="model")
-    model = model.to(device)
+    if ranks.sharded:  # FSDP replaces the parameters by their shards: before the optimizer (and the hooks) take them
+        model = shard(model, cfg.trainer, ranks, device, MixedPrecision.DTYPES.get(cfg.trainer.precision))
+    else:
+        model = model.to(device)
     optimizer = build_optimizer(cfg, model, overrides)
     accumulate = cfg.trainer.accumulate
     if accumulate < 1:
@@ -374,16 +377,3 @@ class MixedPrecision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-
-def wrap(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torch.device) -> torch.nn.Module:
-    """What the loop calls: the model, under DDP when torchrun started several ranks, compiled when asked.
-    Hooks and probes are attached before this, so they keep their names, and torch.compile sees them."""
-    forward: torch.nn.Module = model
-    if ranks.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
-        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if trainer.compile:
-        forward = torch.compile(forward, backend=trainer.compile_backend)
-    return forward

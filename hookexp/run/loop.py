@@ -27,7 +27,7 @@ from hookexp.engine import HookHandle, attach, validate
 from hookexp.errors import ConfigError, HookCheckError
 from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
-from hookexp.run.build import MixedPrecision, Parts, build, pick_device, wrap
+from hookexp.run.build import MixedPrecision, Parts, build, pick_device
 from hookexp.run.checkpoint import Checkpointer, LoopState, require_writable
 from hookexp.run.loaders import to_device
 from hookexp.run.manifest import build_manifest
@@ -61,37 +61,44 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     started = time.perf_counter()
     check_logger(cfg.logger)
     device = pick_device(cfg.trainer.device)
-    ranks = distributed.setup(device)
-    device = ranks.place(device)
-    main = ranks.is_main  # only rank 0 writes files and logs
-    ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, main=main)
-    resumed = ckpt.load()  # a bad checkpoint fails before anything is built or written
-    if main:
-        require_writable(run_dir)
-        ckpt.clean()
+    distributed.refuse_kinds(hook_specs(cfg), cfg.trainer.strategy)
+    ranks = distributed.setup(device, cfg.trainer.strategy)
+    with distributed.released_on_error(ranks):  # a failure before training leaves no process group behind
+        device = ranks.place(device)
+        main = ranks.is_main  # only rank 0 writes files and logs
+        run_dir = ranks.broadcast(run_dir)  # rank 0's (each rank's Hydra may have named its own timestamped one)
+        ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, main=main, ranks=ranks)
+        resumed = ckpt.load()  # a bad checkpoint fails before anything is built or written
+        if main:
+            require_writable(run_dir)
+            ckpt.clean()
 
-    # -- build; then hooks and probes, attached before wrapping and compiling (targets keep their names) ----
-    parts = build(cfg, ranks, device, overrides)
-    model, optimizer, task = parts.model, parts.optimizer, parts.task
-    preflight(parts)
-    hooks = attach(model, hook_specs(cfg), optimizer, measure=False)
-    telemetry: Telemetry | None = None
-    try:
-        amp = MixedPrecision(cfg.trainer.precision, device, hooks)
-        telemetry = Telemetry(model, optimizer, hooks, task, cfg.stats, cfg.guard.nan_policy, device, ranks,
-                              grads_scaled=amp.scaler is not None, clip_grad_norm=cfg.trainer.clip_grad_norm)
-        forward = wrap(model, cfg.trainer, ranks, device)
-        records = Records(hooks, run_dir, enabled=main and cfg.trainer.save_records)
-        local = LocalFiles(run_dir) if main else None
-        ckpt.track(model=model, optimizer=optimizer, scheduler=parts.scheduler, scaler=amp, hooks=hooks,
-                   telemetry=telemetry, files=local, records=records)
-        loop = ckpt.restore(resumed) if resumed is not None else LoopState()
-        sinks = make_sinks(cfg, run_dir, hooks, local, resumed, parts)
-    except BaseException:
-        hooks.remove()
-        if telemetry is not None:
-            telemetry.close()
-        raise
+        # -- build (FSDP shards here); then hooks and probes, attached before wrapping and compiling (targets keep
+        # their names); the weights of a resumed run are loaded before them (see Checkpointer.restore_weights) ----
+        parts = build(cfg, ranks, device, overrides)
+        model, optimizer, task = parts.model, parts.optimizer, parts.task
+        preflight(parts)
+        ckpt.track(model=model, optimizer=optimizer)
+        if resumed is not None:
+            ckpt.restore_weights(resumed)
+        hooks = attach(model, hook_specs(cfg), optimizer, measure=False)
+        telemetry: Telemetry | None = None
+        try:
+            amp = MixedPrecision(cfg.trainer.precision, device, hooks)
+            telemetry = Telemetry(model, optimizer, hooks, task, cfg.stats, cfg.guard.nan_policy, device, ranks,
+                                  grads_scaled=amp.scaler is not None, clip_grad_norm=cfg.trainer.clip_grad_norm)
+            forward = distributed.wrap(model, cfg.trainer, ranks, device)
+            records = Records(hooks, run_dir, enabled=main and cfg.trainer.save_records)
+            local = LocalFiles(run_dir) if main else None
+            ckpt.track(scheduler=parts.scheduler, scaler=amp, hooks=hooks, telemetry=telemetry, files=local,
+                       records=records)
+            loop = ckpt.restore(resumed) if resumed is not None else LoopState()
+            sinks = make_sinks(cfg, run_dir, hooks, local, resumed, parts)
+        except BaseException:
+            hooks.remove()
+            if telemetry is not None:
+                telemetry.close()
+            raise
 
     every, total = cfg.stats.every, parts.total_steps
     status, summary = "failed", {}
@@ -238,7 +245,7 @@ def evaluate_and_log(forward: torch.nn.Module, parts: Parts, amp: MixedPrecision
 
 def save_checkpoint(ckpt: Checkpointer, loop: LoopState, model: torch.nn.Module, telemetry: Telemetry) -> None:
     """A checkpoint of the current state, never of a non-finite one: it would replace the last good one."""
-    if not Checkpointer.finite(model):
+    if not ckpt.finite(model):
         telemetry.guard.refuse_checkpoint(loop.step, ckpt.saved_step)
         return
     ckpt.save(loop)
@@ -314,16 +321,16 @@ def shut_down(cfg: DictConfig, run_dir: Path, status: str, loop: LoopState, part
         "run_dir": str(run_dir), **telemetry.summary(), **calls,
     })
     if parts.ranks.enabled and status != "failed":
-        summary.update({"dist/world_size": parts.ranks.world_size,
-                        "dist/params_in_sync": parts.ranks.params_in_sync(parts.model)})
+        summary.update({"dist/world_size": parts.ranks.world_size, "dist/strategy": parts.ranks.strategy})
+        if not parts.ranks.sharded:  # replicas: they must hold the same parameters (FSDP's ranks hold shards)
+            summary["dist/params_in_sync"] = parts.ranks.params_in_sync(parts.model)
     if local is not None:
         plot = attempt(plot_grad_norms, local.metrics_path, run_dir / "plots" / "grad_norms.png")
         if plot is not None and getattr(sinks, "wandb", None) is not None:
             attempt(sinks.wandb.log_image, "plots/grad_norms", plot)
     summary["signal"] = ckpt.signum  # also one that came during this shutdown (it did not cut it)
     attempt(sinks.finish, summary, status == "failed")
-    if status != "failed":
-        attempt(distributed.teardown, parts.ranks)
+    attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier (a rank may be gone)
     if failures and sys.exc_info()[1] is None:
         raise failures[0]
     for e in failures:
@@ -344,6 +351,7 @@ def dry_run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) 
 
     Writes ``dry_run.json`` (the table and errors); a failed check raises :class:`HookCheckError`."""
     device = pick_device(cfg.trainer.device)
+    distributed.refuse_kinds(hook_specs(cfg), cfg.trainer.strategy)  # what training would refuse (one process here)
     report = check_hooks(build(cfg, distributed.Dist(), device, overrides), hook_specs(cfg))
     print(report.render(), flush=True)
     require_writable(run_dir)

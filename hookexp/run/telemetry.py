@@ -21,6 +21,11 @@ from hookexp.stats import StepStats
 
 Producer = tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]
 
+# Whether the statistics core describes FSDP's sharded gradients (DTensors) as the whole tensors they are parts of.
+# hookexp/stats.py describes local tensors only; the shard-aware core (hookexp/telemetry/stats.py, issue 21) sets
+# this when it is wired in here, and tests/test_fsdp.py's statistics test then runs instead of being expected to fail.
+SHARD_AWARE_STATS = False
+
 
 class Telemetry:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hooks: Any, task: Any,
@@ -33,8 +38,15 @@ class Telemetry:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigError(f"must be a positive norm (or null: no clipping), got {clip_grad_norm}.",
                               key="trainer.clip_grad_norm")
+        if getattr(ranks, "sharded", False) and stats.grads and not SHARD_AWARE_STATS:
+            raise ConfigError("gradient statistics under trainer.strategy=fsdp must combine every rank's shard of each "
+                              "gradient, which this version's statistics do not do yet (they would describe rank 0's "
+                              "shards as if they were whole). Set stats.grads=null to train with FSDP now, or train "
+                              "with trainer.strategy=ddp.", key="stats.grads")
         self.every = stats.every
         self.hooks = hooks
+        self._agree_on_skips = getattr(ranks, "sharded", False) and ranks.enabled and nan_policy == "skip_step"
+        self._ranks, self._device = ranks, device
         self.meter = TrainMeter(task, device, ranks)
         self.stats = StepStats(model, stats.grads, stats.activations, stats.hist_bins, stats.hist_sample)
         self.stats.prepare(device)
@@ -59,16 +71,20 @@ class Telemetry:
         self.meter.add(sums, count)
 
     def before_update(self, loss: torch.Tensor, step: int) -> bool:
-        return self.guard.before_update(loss, step)
+        take = self.guard.before_update(loss, step)
+        if self._agree_on_skips:  # FSDP: each rank checked its own shards; the ranks step together or not at all
+            take = not self._ranks.any(not take, self._device)
+        return take
 
     def _capture(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.logging:
             self.stats.capture_grads()
 
     def _clip_grads(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The global norm also over FSDP's sharded gradients: clip_grad_norm_ reduces their norms over the ranks."""
         norm = torch.nn.utils.clip_grad_norm_(self._params, self._clip)
         if self.logging:
-            self._clip_norm = norm.detach()
+            self._clip_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
     def read(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The log step: every producer's values in one read-back; returns (metrics, histograms)."""

@@ -1,0 +1,76 @@
+"""Launchers: what starts the ranks of a run, and the checks that turn their failures into one paragraph.
+
+- ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT``; :func:`hookexp.run.distributed.setup` joins the process group from them.
+- The submitit launcher (``hydra/launcher=slurm``) starts one SLURM task per GPU and sets SLURM's variables
+  instead: :func:`export_slurm_environment` maps them to torchrun's (rank ``SLURM_PROCID``, world size
+  ``SLURM_NTASKS``, local rank ``SLURM_LOCALID``, the master the first host of ``SLURM_JOB_NODELIST``, a port
+  drawn from the job id), with submitit's own reading of them.
+- :func:`check_launcher`: ``hydra/launcher=slurm`` on a machine without SLURM is one paragraph, not
+  submitit's traceback from inside Hydra.
+
+No torch here: the CLI imports this module before a run starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+from hookexp.errors import ConfigError
+
+log = logging.getLogger("hookexp.launchers")
+
+def slurm_environment() -> dict[str, str]:
+    """torchrun's variables for a task that submitit started among several SLURM tasks (read from this process's
+    environment with submitit's own reader, which expands the node list); empty for anything else (one task,
+    torchrun's variables already set, not started by submitit). A variable already set (MASTER_PORT=...) stays."""
+    env = os.environ
+    if env.get("SUBMITIT_EXECUTOR") != "slurm" or int(env.get("SLURM_NTASKS", "1")) <= 1 or "WORLD_SIZE" in env:
+        return {}
+    from submitit.helpers import TorchDistributedEnvironment
+
+    found = TorchDistributedEnvironment()
+    values = {"MASTER_ADDR": found.master_addr, "MASTER_PORT": str(found.master_port), "RANK": str(found.rank),
+              "WORLD_SIZE": str(found.world_size), "LOCAL_RANK": str(found.local_rank),
+              "LOCAL_WORLD_SIZE": str(found.local_world_size)}
+    return {k: v for k, v in values.items() if k not in env}
+
+
+def export_slurm_environment() -> dict[str, str]:
+    """Set torchrun's variables from SLURM's when submitit started several tasks (see :func:`slurm_environment`);
+    returns what was set."""
+    values = slurm_environment()
+    os.environ.update(values)
+    if values:
+        log.info("SLURM task %s of %s: rank %s, master %s:%s", os.environ.get("SLURM_PROCID"),
+                 os.environ.get("SLURM_NTASKS"), os.environ["RANK"], os.environ["MASTER_ADDR"],
+                 os.environ["MASTER_PORT"])
+    return values
+
+
+def _is_slurm(launcher: Mapping[str, Any] | None) -> bool:
+    return "slurm" in str((launcher or {}).get("_target_", "")).lower()
+
+
+def check_launcher(launcher: Mapping[str, Any] | None, multirun: bool) -> None:
+    """Before a sweep starts: the launcher it names can start jobs here. A single run (no ``-m``) runs in this
+    process whatever the launcher says: a SLURM launcher then gets a warning."""
+    if not _is_slurm(launcher):
+        return
+    if not multirun:
+        log.warning("hydra/launcher=slurm only launches multiruns (-m); this single run trains here, in this process. "
+                    "Add -m to submit it to SLURM.")
+        return
+    missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+    if missing:
+        raise ConfigError(
+            f"the SLURM launcher submits every job with sbatch and starts its tasks with srun, and this machine has "
+            f"no {' and no '.join(missing)} on its PATH: it is not a SLURM cluster's login node. Run the command on a "
+            "login node of the cluster (with the same hookexp installed, pip install -e '.[sweeps]'), or launch here "
+            "without SLURM: drop hydra/launcher=slurm (the jobs run one after another), or use "
+            "hydra/launcher=joblib hydra.launcher.n_jobs=N to run N jobs at once on this machine.",
+            key="hydra/launcher")
