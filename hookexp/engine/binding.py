@@ -20,7 +20,7 @@ import torch
 
 from hookexp.engine import values
 from hookexp.engine.schema import HookSpec
-from hookexp.engine.transforms import BoundTransform, HookContext, Record
+from hookexp.engine.transforms import BoundTransform, HookContext, Record, Shards, local_shard
 from hookexp.engine.values import Selector
 from hookexp.errors import HookRuntimeError, HookWarning, SpecError, TransformOutputError
 
@@ -42,7 +42,8 @@ class Clock:
 class Site:
     """One target of one spec: what that target's torch hooks call, with its own counters."""
 
-    __slots__ = ("binding", "calls", "ctx", "empty", "empty_why", "input", "name", "obj", "target", "warned")
+    __slots__ = ("binding", "calls", "ctx", "empty", "empty_why", "input", "name", "obj", "shards", "target",
+                 "warned")
 
     def __init__(self, binding: SpecBinding, target: Target):
         self.binding = binding
@@ -55,6 +56,7 @@ class Site:
         self.warned = False
         self.ctx: HookContext | None = None  # made at the first call of a transform that reads it
         self.input: tuple[str, int | None] | None = None  # `input:` resolved: (name, position or None)
+        self.shards: Shards | None = None  # parameter kinds under FSDP: the gradient's shard groups
 
 
 class SpecBinding:
@@ -192,11 +194,13 @@ class SpecBinding:
 
     def apply_in_place(self, grad: torch.Tensor, site: Site) -> None:
         """For the kinds that own a ``.grad`` (post_accumulate, pre_step): transform it out of place,
-        as every transform does, and write the result back into the same tensor."""
-        new = self.apply(grad, site)
-        if new is not grad:
+        as every transform does, and write the result back into the same tensor. Under FSDP the transform sees
+        this rank's shard (``ctx.shards`` says so; ``ctx.sum_over_shards`` gives whole-tensor sums)."""
+        local, site.shards = local_shard(grad)
+        new = self.apply(local, site)
+        if new is not local:
             with torch.no_grad():
-                grad.copy_(new)
+                local.copy_(new)
 
     def apply_tensor(self, x: torch.Tensor, site: Site, aux: Any, index: int | str | None) -> torch.Tensor:
         sel = self.select
@@ -251,6 +255,7 @@ class SpecBinding:
         ctx.index = index
         ctx.aux = aux
         ctx.measuring = self.clock.measuring
+        ctx.shards = site.shards
         return ctx
 
     def cut_graph(self, site: Site) -> None:

@@ -37,7 +37,7 @@ from hookexp.engine.kinds import KINDS
 from hookexp.engine.schema import HookSpec, SpecsLike
 from hookexp.engine.specs import collect_specs, raise_all
 from hookexp.engine.targets import resolve
-from hookexp.engine.transforms import HookContext, Record, bind_transform
+from hookexp.engine.transforms import HookContext, Record, bind_transform, local_shard
 from hookexp.errors import (
     ConfigError,
     HookCompatibilityError,
@@ -218,13 +218,15 @@ class HookHandle:
     def _run_batched(self, live: list[tuple[Site, torch.Tensor]]) -> None:
         first = live[0][0].binding
         tf = first.transform
-        grads = [g for _, g in live]
+        local = [local_shard(g) for _, g in live]  # under FSDP: this rank's shards (views of the DTensors)
+        grads = [g for g, _ in local]
+        shards = local[0][1]
         measuring = self.clock.measuring and not first.probe
         before = [g.clone() for g in grads] if measuring else None
         ctx = None
-        if tf.needs_ctx:
+        if tf.needs_ctx or shards is not None:
             ctx = HookContext(first.spec.name, "pre_step", "*", self.clock.step, state=tf.state,
-                              measuring=self.clock.measuring, targets=[s.name for s, _ in live])
+                              measuring=self.clock.measuring, targets=[s.name for s, _ in live], shards=shards)
         try:
             tf.batched(grads, ctx, **tf.args)  # type: ignore[misc]
         except Exception as error:

@@ -49,6 +49,32 @@ TransformFn = Callable[..., Any]
 BatchedFn = Callable[..., None]
 
 
+class Shards:
+    """The process groups a DTensor gradient is sharded over (FSDP2): a transform that acts on this rank's shard
+    sums a whole-tensor quantity (a squared norm) over them, one all-reduce."""
+
+    def __init__(self, groups: list[Any]):
+        self.groups = groups
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        for group in self.groups:
+            dist.all_reduce(t, group=group)
+        return t
+
+
+def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Shards | None]:
+    """A DTensor's local shard (a view: writing it writes the DTensor) and its shard groups; a plain tensor as is."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return t, None
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    groups = [mesh.get_group(i) for i, p in enumerate(placements) if p.is_shard()]
+    return t.to_local(), (Shards(groups) if groups else None)  # type: ignore[attr-defined]
+
+
 @dataclass
 class HookContext:
     """What a transform knows about the call it is in. Valid for the duration of the call only: the
@@ -65,6 +91,11 @@ class HookContext:
     measuring: bool = False
     emitted: dict[str, list[torch.Tensor]] | None = None
     targets: list[str] | None = None  # batched pre_step calls: the target of each tensor, in order
+    shards: Shards | None = None  # parameter kinds under FSDP: the tensor is this rank's shard of these groups
+
+    def sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks holding the other shards of the tensor (``t`` itself when unsharded)."""
+        return t if self.shards is None else self.shards.sum(t)
 
     def emit(self, name: str, value: torch.Tensor | float) -> None:
         """Report a measurement (mean over calls) as ``hook/<spec>/<name>``; only while measuring,
@@ -307,16 +338,21 @@ def _clip_norm_(xs: list[torch.Tensor], ctx: HookContext, max_norm: float) -> No
     for dtype, picks in by_dtype.items():
         group = [xs[i] for i in picks]
         # the same per-element formula as clip_norm on one stacked vector: elementwise ops give the same bits
-        coefs = _clip_coef(torch.stack(torch._foreach_norm(group, 2, dtype=dtype)), max_norm)
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=dtype))
+        if ctx is not None and ctx.shards is not None:  # FSDP: the norms of the whole gradients
+            norms = ctx.sum_over_shards(norms.square()).sqrt()
+        coefs = _clip_coef(norms, max_norm)
         torch._foreach_mul_(group, [c.to(x.dtype) for c, x in zip(coefs.unbind(), group, strict=True)])
 
 
-@register_transform("clip_norm", batched=_clip_norm_, check=_positive("max_norm"), value_dependent=True,
-                    needs_ctx=False)
+@register_transform("clip_norm", batched=_clip_norm_, check=_positive("max_norm"), value_dependent=True)
 def clip_norm(x: torch.Tensor, ctx: HookContext, max_norm: float) -> torch.Tensor:
     """Rescale so that the tensor's L2 norm is at most ``max_norm``: ``x * min(max_norm / (norm + 1e-6), 1)``,
-    torch's ``clip_grad_norm_`` formula applied per tensor (no host sync)."""
+    torch's ``clip_grad_norm_`` formula applied per tensor (no host sync). Under FSDP the norm is the whole
+    gradient's, summed over the shards."""
     norm = torch.linalg.vector_norm(x, dtype=_norm_dtype(x))
+    if ctx is not None and ctx.shards is not None:
+        norm = ctx.sum_over_shards(norm.square()).sqrt()
     return x * _clip_coef(norm, max_norm).to(x.dtype)
 
 
@@ -324,12 +360,17 @@ def _generator(ctx: HookContext, device: torch.device, seed: int | None) -> torc
     """One generator per spec and device, seeded from ``seed`` or from torch's seed and the spec name.
 
     Seeding from the spec name keeps two noise specs independent and makes every run with the same
-    global seed draw the same noise.
+    global seed draw the same noise. On FSDP's shards each rank draws its own stream (its shard's noise is
+    independent of the others', not a slice of one process's draw).
     """
     key = f"generator:{device}"
     gen = ctx.state.get(key)
     if gen is None:
         base = seed if seed is not None else (torch.initial_seed() + zlib.crc32(ctx.spec.encode())) % (2**63)
+        if ctx.shards is not None:
+            import torch.distributed as dist
+
+            base = (base + 7919 * dist.get_rank()) % (2**63)
         gen = torch.Generator(device=device)
         gen.manual_seed(base)
         ctx.state[key] = gen
