@@ -52,7 +52,18 @@ class TrainMeter:
         return {f"train/{k}": v for k, v in self.task.finish(means).items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": self._totals.detach().cpu()}
+        """The period's sums of every rank (a row each: under DDP/FSDP each rank has summed its own batches)."""
+        totals = self._totals.detach().cpu()
+        rows = self.ranks.gather(totals) if self.ranks.enabled else [totals]
+        return {"totals": torch.stack(rows)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._totals = state["totals"].to(self.device, self._dtype).clone()
+        """This rank's row (a checkpoint of another world size: rank 0 carries their sum)."""
+        rows = state["totals"]
+        if rows.dim() == 1:  # one process's checkpoint
+            rows = rows[None]
+        if len(rows) == self.ranks.world_size:
+            mine = rows[self.ranks.rank]
+        else:
+            mine = rows.sum(dim=0) if self.ranks.is_main else torch.zeros_like(rows[0])
+        self._totals = mine.to(self.device, self._dtype).clone()

@@ -30,8 +30,11 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_two_ranks_stay_in_sync_and_only_rank_0_writes(workdir):
-    done = torchrun(["hooks=clamp_conv", "trainer.max_steps=12", "stats.every=4", "hydra.run.dir=run"], workdir)
+def test_two_ranks_stay_in_sync_only_rank_0_writes_and_a_resume_keeps_every_ranks_period(workdir):
+    """A checkpoint between log steps (step 10; logs at 0, 4, 8, 11) holds each rank's sums of steps 8 and 9: the
+    run resumed from it into another directory logs exactly what the uninterrupted run logged."""
+    common = ["hooks=clamp_conv", "trainer.max_steps=12", "stats.every=4", "trainer.checkpoint_every=5"]
+    done = torchrun([*common, "hydra.run.dir=run"], workdir)
     assert done.returncode == 0, done.stderr[-3000:]
     run = workdir / "run"
     summary = json.loads((run / "summary.json").read_text())
@@ -41,6 +44,13 @@ def test_two_ranks_stay_in_sync_and_only_rank_0_writes(workdir):
     assert steps == [0, 4, 8, 11]  # once each: rank 1 wrote nothing
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1
     assert json.loads((run / "manifest.json").read_text())["world_size"] == 2
+    resumed = torchrun([*common, "resume=run", "hydra.run.dir=fork", "logger=none"], workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    def rows(path):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_jsonl(path)]
+
+    assert rows(workdir / "fork" / "metrics.jsonl") == rows(run / "metrics.jsonl")
 
 
 def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(workdir):

@@ -441,13 +441,13 @@ class Checkpointer:
         made sure that the state is finite (:meth:`finite`)."""
         if self.sharded:
             return self._save_sharded(loop, extra)
-        if not self.main:
-            return self.path
         payload: dict[str, Any] = {"format": FORMAT, "config": dict(self.config), "loop": asdict(loop),
                                    "rng": rng_state(), **(extra or {})}
-        for name, obj in self.objects.items():
+        for name, obj in self.objects.items():  # on every rank: a state may gather the ranks' parts (the meter's)
             if obj is not None:
                 payload[name] = obj.state_dict()
+        if not self.main:
+            return self.path
         tmp = self.dir / f".last.pt.{os.getpid()}.tmp"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
