@@ -73,6 +73,7 @@ class SpecBinding:
         self.probe = probe
         self.sites = [Site(self, t) for t in targets]
         self.alive = True
+        self.paused = False  # attached but idle (HookHandle.pause): e.g. record specs waiting for a spike
         self.active = False
         self.train_phase: bool | None = None if kind.stage != "forward" else {"train": True, "eval": False,
                                                                                "both": None}[spec.phase]
@@ -97,8 +98,8 @@ class SpecBinding:
     def refresh(self) -> None:
         """Recompute whether the hooks act now (called when the step or the measuring flag changes)."""
         c = self.clock
-        self.active = (self.alive and self.spec.enabled and (c.ignore_schedule or self.spec.active_at(c.step))
-                       and (c.measuring or not self.probe))
+        self.active = (self.alive and not self.paused and self.spec.enabled
+                       and (c.ignore_schedule or self.spec.active_at(c.step)) and (c.measuring or not self.probe))
 
     def live(self, training: bool | None) -> bool:
         """Whether the hook acts now: attached, in its step window, and (forward kinds) in its phase."""

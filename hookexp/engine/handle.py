@@ -81,6 +81,7 @@ class HookHandle:
         self._pre_step: list[Site] = []
         self._groups: list[tuple[tuple[Any, ...] | None, list[Site]]] | None = None
         self._pre_step_hook: Any = None
+        self._pre_step_by_hand = False  # apply_pre_step() is called by the loop (run_pre_step_by_hand)
         # full-backward-hooked modules run in the current forward, in order (bounded: a submodule called on its
         # own never passes the root's pre-hook that clears it)
         self._ran: deque[Site] = deque(maxlen=64)
@@ -98,10 +99,20 @@ class HookHandle:
     def add_pre_step(self, site: Site) -> _PreStepEntry:
         self._pre_step.append(site)
         self._groups = None
-        if self._pre_step_hook is None:
+        if self._pre_step_hook is None and not self._pre_step_by_hand:
             assert self.optimizer is not None  # the kind's check refused this before
             self._pre_step_hook = self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply_pre_step())
         return _PreStepEntry(self, site)
+
+    def run_pre_step_by_hand(self) -> None:
+        """Stop running the ``pre_step`` specs from the optimizer's step pre-hook: the caller calls
+        :meth:`apply_pre_step` itself, once the gradients are final. For loops whose ``optimizer.step(closure)``
+        runs the forward and backward inside the closure (Lightning's automatic optimization, LBFGS): torch runs
+        step pre-hooks before the closure, on the previous step's gradients."""
+        self._pre_step_by_hand = True
+        if self._pre_step_hook is not None:
+            self._pre_step_hook.remove()
+            self._pre_step_hook = None
 
     def drop_pre_step(self, site: Site) -> None:
         if site in self._pre_step:
@@ -165,6 +176,18 @@ class HookHandle:
         finally:
             self.clock.ignore_schedule = before
             self._refresh()
+
+    def pause(self, names: list[str] | tuple[str, ...], paused: bool = True) -> None:
+        """Keep the specs ``names`` attached but idle (``paused=False``: acting again), e.g. ``record`` specs
+        that the spike recorder turns on for a few steps."""
+        known = {b.spec.name: b for b in self.bindings}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ConfigError(f"no hook spec named {missing[0]!r}; the specs are: {', '.join(known) or 'none'}.",
+                              key="pause")
+        for n in names:
+            known[n].paused = paused
+            known[n].refresh()
 
     def _refresh(self) -> None:
         for b in self.bindings:
