@@ -56,8 +56,22 @@ class TrainerConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """``guard.spike``: the spike recorder (hookexp.telemetry.spike)."""
+
+    metric: Optional[str] = None  # noqa: UP045 - e.g. train/loss or grad/global_norm; null: off
+    window: int = 20  # log steps of history the metric is compared with
+    threshold: float = 3.0  # a spike: the metric above threshold x the median of its window
+    min_value: float = 0.0  # ... and above this
+    steps: int = 10  # after a spike: log every step for this many steps
+    record: list[str] = field(default_factory=list)  # record specs that act only in a spike's window
+    checkpoint: bool = True  # save a checkpoint at each spike
+
+
+@dataclass
 class GuardConfig:
     nan_policy: str = "raise"  # raise | skip_step | warn | off: what a NaN/Inf loss or gradient does
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
 @dataclass
@@ -67,6 +81,10 @@ class StatsConfig:
     activations: Optional[str] = None  # noqa: UP045 - modules whose outputs to describe; null: none
     hist_bins: int = 0  # >0: a histogram per parameter (and per described module) on log steps
     hist_sample: Optional[int] = 4096  # noqa: UP045 - histograms count at most this many elements per tensor; null: all
+    params: Optional[str] = None  # noqa: UP045 - parameters whose weight norm is logged; null: none
+    updates: Optional[str] = None  # noqa: UP045 - parameters whose update norm and update/weight ratio are logged
+    optimizer: Optional[str] = None  # noqa: UP045 - parameters whose optimizer state norms are logged (Adam's moments)
+    group_by: Optional[str] = None  # noqa: UP045 - 're:^blocks\.\d+': also one norm per group of parameters
 
 
 @dataclass

@@ -154,14 +154,15 @@ class JsonLines:
 class LocalFiles:
     """The run directory's own record: ``metrics.jsonl`` (one line of scalars per log step),
     ``histograms.jsonl`` (one line per log step that has histograms: ``{"trainer/step": s, key:
-    {"bins": edges, "values": counts}}``, W&B's own shape) and, at the end, ``summary.json``.
+    {"bins": edges, "values": counts}}``, W&B's own shape), ``spikes.jsonl`` (one line per spike the spike
+    recorder found, :mod:`hookexp.telemetry.spike`) and, at the end, ``summary.json``.
 
     Lines reach the disk at least every ``FLUSH_S`` seconds, at every checkpoint (flushed to the disk: the
     checkpoint records how many lines it keeps, :meth:`state_dict`) and at the end.
     """
 
     FLUSH_S = 1.0
-    FILES = ("metrics.jsonl", "histograms.jsonl")
+    FILES = ("metrics.jsonl", "histograms.jsonl", "spikes.jsonl")
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -217,6 +218,11 @@ class LocalFiles:
             self._files["histograms.jsonl"].add(_dumps(row))
         if time.monotonic() - self._flushed >= self.FLUSH_S:
             self.flush()
+
+    def spike(self, row: Mapping[str, Any]) -> None:
+        """A line of ``spikes.jsonl``, on the disk at once (a spike is rare, and what follows it may crash)."""
+        self._files["spikes.jsonl"].add(_dumps(row))
+        self.flush()
 
     def flush(self, durable: bool = False) -> None:
         for f in self._files.values():
@@ -368,6 +374,9 @@ class NullSinks:
     def log(self, metrics: Mapping[str, Any], step: int, histograms: Histograms | None = None) -> None:
         pass
 
+    def spike(self, row: Mapping[str, Any]) -> None:
+        pass
+
     def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
         pass
 
@@ -383,6 +392,9 @@ class Sinks:
         self.local.log(metrics, step, histograms)
         if self.wandb is not None:
             self.wandb.log(metrics, step, histograms)
+
+    def spike(self, row: Mapping[str, Any]) -> None:
+        self.local.spike(row)
 
     def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
         try:

@@ -20,6 +20,6 @@ echo "hookexp: setting up $venv (once) ..." >&2
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet "${HOOKEXP_TORCH:-torch==2.13.0}"
 fi
-"$venv/bin/python" -m pip install --quiet -e "$root[dev,sweeps,fast,hf,lightning]"
+"$venv/bin/python" -m pip install --quiet -e "$root[dev,sweeps,hf,lightning]"
 echo "$want" > "$stamp"
 echo "hookexp: set-up done." >&2

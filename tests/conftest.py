@@ -68,19 +68,10 @@ def has_module(name: str) -> bool:
 
 # Tests that take ``device`` run on the CPU everywhere and again on a CUDA GPU where there is one (CI has
 # none: run ``pytest -k cuda`` on a GPU machine).
-# On the CPU the statistics have two implementations, numba's fused kernels (when installed) and torch
-# ops: "cpu" gets the first, "cpu_torch" the second.
 DEVICES = ["cpu",
-           pytest.param("cpu_torch", marks=pytest.mark.skipif(not has_module("numba"),
-                                                              reason="without numba, cpu is the torch ops already")),
            pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
 
 
 @pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.device:
-    if request.param == "cpu_torch":
-        from hookexp import fused
-
-        monkeypatch.setattr(fused, "ENABLED", False)
-        return torch.device("cpu")
+def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)

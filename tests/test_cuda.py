@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_module
 import hookexp.run.loop as train_module
 from hookexp.engine import HookHandle
 from hookexp.run.loop import train
+from hookexp.run.telemetry import Telemetry
 from hookexp.sinks import Sinks
-from hookexp.stats import Packed, StepStats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,12 +29,13 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     """torch's sync debug mode set to "error" from the end of each log step (its record handed to the
     sinks) to the start of the next: any synchronising CUDA call on the steps between (an .item(), a
     blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on."""
-    begin, log, evaluate = StepStats.begin, Sinks.log, train_module.evaluate
+    start, log, evaluate = Telemetry.start_step, Sinks.log, train_module.evaluate
     modes: dict[int, int] = {}
 
-    def begin_log_step(self: StepStats) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        begin(self)
+    def start_step(self: Telemetry, logging: bool) -> None:
+        if logging:
+            torch.cuda.set_sync_debug_mode(0)
+        start(self, logging)
 
     def end_log_step(self: Sinks, *args, **kwargs) -> None:
         log(self, *args, **kwargs)
@@ -50,7 +51,7 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
         modes[step - 1] = torch.cuda.get_sync_debug_mode()
         set_step(self, step)
 
-    monkeypatch.setattr(StepStats, "begin", begin_log_step)
+    monkeypatch.setattr(Telemetry, "start_step", start_step)
     monkeypatch.setattr(Sinks, "log", end_log_step)
     monkeypatch.setattr(train_module, "evaluate", evaluate_may_sync)
     monkeypatch.setattr(HookHandle, "set_step", note_mode)
@@ -58,6 +59,7 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
              "args:{min:-0.01,max:0.01}}"]
     try:
         summary = train(config(*hooks, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
+                               "stats.params=*", "stats.updates=*", "stats.optimizer=*", r"stats.group_by='re:^conv\d'",
                                "trainer.max_steps=30", "guard.nan_policy=raise"), tmp_path)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -84,28 +86,3 @@ def test_a_cuda_run_logs_the_statistics_a_cpu_run_logs(tmp_path: Path, monkeypat
     assert set(first_gpu) == set(first_cpu)
     for key in keys:
         assert first_gpu[key] == pytest.approx(first_cpu[key], rel=1e-4, abs=1e-7), key
-
-
-def test_the_reductions_replayed_as_a_cuda_graph_read_the_new_values_and_equal_the_kernels():
-    """One capture per layout and bin count; each replay describes what the slots hold now."""
-    shapes = [torch.Size([300, 7]), torch.Size([5]), torch.Size([10_000])]  # pads, a tiny tensor, sampling
-    packed = Packed(shapes, torch.device("cuda"), hist_sample=1000)
-    results = []
-    for scale in (1.0, 3.0, 0.5):
-        for slot in packed.slots:
-            slot.copy_(torch.randn(slot.shape, device="cuda") * scale)
-        replayed = packed.reduce(16).clone()
-        assert torch.equal(replayed, packed._reduce(16))  # the same kernels, launched one by one
-        results.append(replayed)
-    assert list(packed._graphs) == [16] and not torch.equal(results[0], results[1])
-    table, counts = packed.decode(results[-1].cpu().numpy(), 16)
-    want = torch.cat([packed.slots[0].reshape(-1), packed.slots[1], packed.slots[2]])
-    assert table[:, 0].tolist() == pytest.approx([packed.slots[i].norm().item() for i in range(3)], rel=1e-5)
-    assert counts.sum() == want.numel()
-
-
-def test_a_buffer_too_large_for_a_graph_launches_the_kernels(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(Packed, "GRAPH_MAX_ELEMENTS", 1000)
-    packed = Packed([torch.Size([3000])], torch.device("cuda"))
-    packed.slots[0].copy_(torch.randn(3000, device="cuda"))
-    assert packed._graphs is None and torch.equal(packed.reduce(8), packed._reduce(8))

@@ -23,7 +23,6 @@ from hydra import compose, initialize_config_module
 from hookexp.errors import CheckpointError, ConfigError, HookCompatibilityError
 from hookexp.run import distributed, launchers
 from hookexp.run.loop import dry_run, train
-from hookexp.run.telemetry import SHARD_AWARE_STATS
 
 # No biases: the key part of attn.qkv.bias has a gradient that is zero but for rounding (softmax ignores a key
 # bias), whose signs (frac_neg) differ with the order of any sum, sharded or not.
@@ -35,11 +34,13 @@ STOP = "+hooks.stop={target:blocks.0,kind:forward,transform:{_target_:user_trans
 
 
 ENGINE_CHANGE = "the engine does not yet give parameter kinds the local shard of a DTensor gradient (issue 21)"
-# A pre_step clip on every parameter when the engine handles sharded gradients; gradient statistics when the
-# statistics core is shard-aware (until then a run under fsdp refuses them).
+# A pre_step clip on every parameter when the engine handles sharded gradients; every family of statistics, whose
+# sharded values (parameters, gradients, optimizer states) and data-parallel ones (activations) are combined over the
+# ranks.
 CLIP = ["+hooks.clip={target:'*',kind:pre_step,transform:clip_norm,args:{max_norm:0.3}}"] \
     if distributed.engine_shards_gradients() else []
-STATS = [] if SHARD_AWARE_STATS else ["stats.grads=null"]
+STATS = ["stats.activations=blocks.*.mlp", "stats.params=*", "stats.updates=*", "stats.optimizer=*",
+         r"stats.group_by='re:^blocks\.\d+'", "stats.hist_bins=4", "stats.hist_sample=null"]
 
 
 def text(tmp: Path) -> Path:
@@ -276,6 +277,20 @@ def test_a_non_finite_model_is_never_checkpointed_under_fsdp(tmp_path):
     assert summary["guard/nonfinite_warnings"] >= 3
 
 
+def test_a_nan_in_one_ranks_shard_stops_every_rank_not_one(tmp_path):
+    """guard.nan_policy=raise: rank 1's shard of head.weight's gradient turns NaN at step 2 (rank 0's stays finite).
+    Both ranks stop at step 2 with the error; neither waits forever for the other in the next collective."""
+    poison = ("+hooks.poison={target:head.weight,kind:post_accumulate,"
+              "transform:{_target_:user_transforms.nan_on_rank,step:2,rank:1}}")
+    done = torchrun(["-m", "hookexp", "trainer.progress=false", "logger=none", *GPT, *FSDP, poison,
+                     f"data.path={text(tmp_path)}", "data.batch_size=4", "trainer.max_steps=6",
+                     f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=180)
+    (run,) = done
+    assert run.returncode != 0
+    assert run.stderr.count("non-finite loss or gradient at step 2") >= 2, run.stderr[-3000:]  # one per rank
+    assert "parameters: head.weight (gradient)" in run.stderr  # rank 1 names its bad shard
+
+
 # ----------------------------------------------------------------------------------------------------
 # Two ranks: a 2-node rendezvous on this machine, a multirun of two jobs under it, a resume; against one process.
 
@@ -316,17 +331,25 @@ def test_two_fsdp_ranks_train_as_one_process_with_the_same_keys(two_ranks):
     assert json.loads((two_ranks / "sweep" / "0" / "manifest.json").read_text())["world_size"] == 2
 
 
-@pytest.mark.xfail(not SHARD_AWARE_STATS, strict=True, reason="the shard-aware statistics core "
-                   "(hookexp/telemetry/stats.py) is not wired into the loop yet: under fsdp stats.grads is refused")
 def test_two_fsdp_ranks_log_the_statistics_of_the_unsharded_gradients(two_ranks):
-    """Every gradient statistic of the 2-rank FSDP run equals the one process's, step for step."""
+    """Every statistic of the 2-rank FSDP run equals the one process's, step for step: gradients, activations (each
+    rank's half of the batch), weights, updates, Adam's moments, the block groups, the histograms."""
     fsdp, single = read_jsonl(two_ranks / "sweep" / "0" / "metrics.jsonl"), read_jsonl(two_ranks / "single" /
                                                                                        "metrics.jsonl")
     keys = [k for k in single[0] if k.startswith("grad/") and k.count("/") == 2]
     assert len(keys) == 7 * 16  # norm, mean, std, min, max, frac_zero, frac_neg of each of the 16 parameters
+    families = ("grad/", "act/", "param/", "update/", "opt/")
+    assert {k.split("/")[0] for k in single[1] if k.startswith(families)} == {f[:-1] for f in families}
+    assert {"grad/group/blocks.0/norm", "param/group/blocks.1/norm", "opt/head.weight/exp_avg_sq_norm",
+            "update/blocks.0.mlp.fc.weight/ratio", "act/blocks.1.mlp/std"} <= set(single[1])
     for a, b in zip(fsdp, single, strict=True):
-        for key in [k for k in b if k.startswith("grad/")]:
+        for key in [k for k in b if k.startswith(families)]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+    hists = [read_jsonl(two_ranks / run / "histograms.jsonl") for run in ("sweep/0", "single")]
+    assert len(hists[0]) == len(hists[1]) == 6
+    for a, b in zip(*hists, strict=True):
+        for key in [k for k in b if k.endswith("/hist")]:
+            assert a[key]["values"] == pytest.approx(b[key]["values"], abs=1e-6), key
 
 
 def test_a_resumed_fsdp_run_writes_what_the_uninterrupted_one_wrote(two_ranks):

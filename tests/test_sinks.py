@@ -34,13 +34,14 @@ def test_histograms_get_their_own_file_and_a_resume_keeps_the_counted_lines(tmp_
     (tmp_path / "a").mkdir()
     files = LocalFiles(tmp_path / "a")
     for step in range(3):
-        hist = {"grad/w/hist": (np.array([1.0, step]), np.array([0.0, 0.5, 1.0]))}  # as StepStatsResult gives them
+        hist = {"grad/w/hist": (np.array([1.0, step]), np.array([0.0, 0.5, 1.0]))}  # as the probes give them
         files.log({"x": float(step)}, step, hist if step != 1 else None)
-    assert files.lines == {"metrics.jsonl": 0, "histograms.jsonl": 0}  # lines count once they are on the disk
+    # lines count once they are on the disk
+    assert files.lines == {"metrics.jsonl": 0, "histograms.jsonl": 0, "spikes.jsonl": 0}
     counted = files.state_dict()["lines"]  # what a checkpoint keeps: flushed and synced first
     files.log({"x": 9.0}, 3, {"grad/w/hist": ([0.0, 2.0], [0.0, 1.0, 2.0])})  # after the checkpoint: dropped
     files.close()
-    assert counted == {"metrics.jsonl": 3, "histograms.jsonl": 2}
+    assert counted == {"metrics.jsonl": 3, "histograms.jsonl": 2, "spikes.jsonl": 0}
     assert lines(tmp_path / "a" / "histograms.jsonl")[1] == {
         "trainer/step": 2, "grad/w/hist": {"bins": [0.0, 0.5, 1.0], "values": [1.0, 2.0]}}
 

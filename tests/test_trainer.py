@@ -16,7 +16,8 @@ from hydra import compose, initialize_config_module
 from hookexp.engine import HookHandle, SpecBinding
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.run.loop import train
-from hookexp.stats import Packed, StepStats
+from hookexp.telemetry.probes import Probes
+from hookexp.telemetry.stats import TensorStats
 
 
 def config(*overrides: str):
@@ -40,9 +41,14 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
 
         monkeypatch.setattr(cls, name, wrapper)
 
-    counting(StepStats, "capture_grads")
-    counting(Packed, "reduce")
-    counting(StepStats, "begin")
+    counting(TensorStats, "describe")
+    keep = Probes._keep_activation
+
+    def keep_activation(self, x, ctx):  # the engine passes ctx to transforms whose signature asks for it
+        counts["_keep_activation"] += 1
+        return keep(self, x, ctx)
+
+    monkeypatch.setattr(Probes, "_keep_activation", keep_activation)
     counting(SpecBinding, "measure")
     counting(HookHandle, "pending_stats")
     cfg = config("hooks=[clamp_conv,dead_relu_probe]", "stats.every=5", "trainer.max_steps=12",
@@ -51,7 +57,8 @@ def test_statistics_run_on_log_steps_only(tmp_path: Path, monkeypatch: pytest.Mo
     log_steps = [0, 5, 10, 11]
     rows = rows_with(tmp_path / "metrics.jsonl", "train/loss")
     assert [r["trainer/step"] for r in rows] == log_steps
-    assert counts["capture_grads"] == counts["begin"] == counts["reduce"] == len(log_steps)
+    assert counts["describe"] == len(log_steps)  # gradients and activations together, in one call
+    assert counts["_keep_activation"] == 3 * len(log_steps)  # relu1..relu3, on log steps only
     assert counts["pending_stats"] == len(log_steps) + 1  # and once at the end, for the summary's call counts
     assert counts["measure"] == (2 + 3) * len(log_steps)  # clamp_conv: 2 tensors a log step, dead_relu_probe 3
     assert summary["hook/clamp_conv/calls"] == 2 * 12
@@ -149,7 +156,7 @@ def test_finite_gradients_whose_norm_overflows_are_not_skipped(tmp_path: Path):
 def test_on_a_gpu_raise_costs_no_sync_and_names_the_first_bad_step_at_the_log_step(tmp_path, monkeypatch):
     """The deferred path a GPU takes (here forced on the CPU): the first bad step is kept on the device, and a
     checkpoint due in between is not written from the non-finite state."""
-    from hookexp.guard import NonFiniteGuard
+    from hookexp.telemetry.guard import NonFiniteGuard
 
     init = NonFiniteGuard.__init__
     monkeypatch.setattr(NonFiniteGuard, "__init__", lambda self, *a, **k: (init(self, *a, **k),
@@ -216,17 +223,23 @@ def test_fp16_grad_scaler_pre_step_and_statistics_see_unscaled_gradients(tmp_pat
     assert torch.allclose(fp16, fp32, rtol=2e-2, atol=1e-4)  # not multiplied by the scale (65536)
 
 
-def test_compiled_and_eager_runs_give_equal_first_step_gradients(tmp_path: Path):
-    common = ["hooks=clamp_conv", "trainer.max_steps=3", "stats.every=1"]
+def test_compiled_and_eager_runs_log_the_same_statistics_every_log_step(tmp_path: Path):
+    """The probes are attached before compiling: activation statistics do not vanish after step 0 under compile."""
+    common = ["hooks=clamp_conv", "trainer.max_steps=7", "stats.every=3", "stats.activations=relu*"]
     eager = train(config(*common), tmp_path / "eager")
     compiled = train(config(*common, "trainer.compile=true"), tmp_path / "compiled")
-    assert compiled["hook/clamp_conv/calls"] == eager["hook/clamp_conv/calls"] == 6
-    first_eager = read_jsonl(tmp_path / "eager" / "metrics.jsonl")[0]
-    first_compiled = read_jsonl(tmp_path / "compiled" / "metrics.jsonl")[0]
-    grads = [k for k in first_eager if k.startswith("grad/") and k.endswith(("/norm", "/mean", "/max"))]
+    assert compiled["hook/clamp_conv/calls"] == eager["hook/clamp_conv/calls"] == 14
+    rows_eager = rows_with(tmp_path / "eager" / "metrics.jsonl", "train/loss")
+    rows_compiled = rows_with(tmp_path / "compiled" / "metrics.jsonl", "train/loss")
+    assert [r["trainer/step"] for r in rows_compiled] == [r["trainer/step"] for r in rows_eager] == [0, 3, 6]
+    for e, c in zip(rows_eager, rows_compiled, strict=True):
+        assert sorted(c) == sorted(e)
+        assert {k for k in c if k.startswith("act/")} == {f"act/relu{i}/{s}" for i in (1, 2, 3)
+                                                          for s in ("mean", "std", "frac_zero")}
+    grads = [k for k in rows_eager[0] if k.startswith("grad/") and k.endswith(("/norm", "/mean", "/max"))]
     assert len(grads) == 3 * 8
-    for key in grads:
-        assert first_compiled[key] == pytest.approx(first_eager[key], rel=1e-5, abs=1e-7), key
+    for key in grads + [k for k in rows_eager[0] if k.startswith("act/")]:
+        assert rows_compiled[0][key] == pytest.approx(rows_eager[0][key], rel=1e-5, abs=1e-7), key
 
 
 def test_accumulating_two_half_batches_gives_the_gradient_of_the_whole_batch(tmp_path: Path):

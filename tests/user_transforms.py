@@ -67,3 +67,17 @@ def torch_error(x, ctx):
 def detached(x, ctx):
     """Returns the tensor cut from the autograd graph (a common mistake: .detach() or .data in a transform)."""
     return x.detach()
+
+
+def nan_on_rank(x, ctx, step: int, rank: int = 1):
+    """NaN at training step `step` on one rank only (its own shard or batch part)."""
+    import torch.distributed as dist
+
+    here = dist.get_rank() if dist.is_initialized() else 0
+    return x * float("nan") if ctx.step == step and here == rank else x
+
+
+def spike_at(x, ctx, step: int, size: float = 30.0):
+    """Logits plus noise of scale `size` at training step `step` only: a loss spike at a known step whose gradient
+    stays bounded (softmax minus one-hot), so that training goes on as before."""
+    return x + size * torch.randn_like(x) if ctx.step == step else x

@@ -98,6 +98,14 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def all_true(self, flag: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor that is true where it is true on every rank (one all-reduce, on the device)."""
+        if not self.enabled:
+            return flag
+        t = flag.to(torch.int32).reshape(1)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return t[0].bool()
+
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a picklable object; one small collective)."""
         if not self.enabled:

@@ -85,7 +85,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         telemetry: Telemetry | None = None
         try:
             amp = MixedPrecision(cfg.trainer.precision, device, hooks)
-            telemetry = Telemetry(model, optimizer, hooks, task, cfg.stats, cfg.guard.nan_policy, device, ranks,
+            telemetry = Telemetry(model, optimizer, hooks, task, cfg.stats, cfg.guard, device, ranks,
                                   grads_scaled=amp.scaler is not None, clip_grad_norm=cfg.trainer.clip_grad_norm)
             forward = distributed.wrap(model, cfg.trainer, ranks, device)
             records = Records(hooks, run_dir, enabled=main and cfg.trainer.save_records)
@@ -100,11 +100,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
                 telemetry.close()
             raise
 
-    every, total = cfg.stats.every, parts.total_steps
+    total = parts.total_steps
     status, summary = "failed", {}
     with ckpt.signals():
         try:
-            status = loop_over_steps(cfg, parts, forward, hooks, amp, telemetry, ckpt, sinks, loop, every, total)
+            status = loop_over_steps(cfg, parts, forward, hooks, amp, telemetry, ckpt, sinks, loop, total)
         finally:
             summary = shut_down(cfg, run_dir, status, loop, parts, hooks, telemetry, records, local, sinks, ckpt,
                                 started)
@@ -130,7 +130,7 @@ def preflight(parts: Parts) -> None:
 
 def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hooks: HookHandle,
                     amp: MixedPrecision, telemetry: Telemetry, ckpt: Checkpointer, sinks: Any, loop: LoopState,
-                    every: int, total: int) -> str:
+                    total: int) -> str:
     """Train from ``loop``'s position to ``total`` steps; returns "finished" or "interrupted"."""
     model, optimizer, task, device = parts.model, parts.optimizer, parts.task, parts.device
     per_epoch = parts.loaders.batches_per_epoch()
@@ -139,13 +139,15 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
     bar = tqdm(total=total, initial=loop.step, disable=not cfg.trainer.progress, desc="train", unit="step",
                leave=False)
     batches, last_log_time = None, time.perf_counter()
+    period: list[dict[str, Any]] = []  # the steps since the last log step and their batches (for spikes.jsonl)
     model.train()
     while loop.step < total:
         step_started = time.perf_counter()
         if batches is None:  # this epoch's batches, from the loop's position in it (a resumed run starts mid-epoch)
             batches = parts.loaders.epoch(loop.epoch, loop.batch)
-        log_now = loop.step % every == 0 or loop.step == total - 1
+        log_now = telemetry.log_step(loop.step, total - 1)
         telemetry.start_step(log_now)
+        first_batch, spike = loop.batch, None
         optimizer.zero_grad(set_to_none=True)
         # gradient accumulation: the epoch's last step takes the micro-batches that are left
         micro = accumulate if per_epoch is None else min(accumulate, per_epoch - loop.batch)
@@ -174,10 +176,11 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
                 amp.step(optimizer)  # runs the pre_step specs, the statistics capture and the clip first
             if parts.scheduler is not None:
                 parts.scheduler.step()
-            hooks.set_step(loop.step + 1)  # also when the update was skipped (guard, or fp16 overflow)
+            telemetry.set_step(loop.step + 1)  # also when the update was skipped (guard, or fp16 overflow)
             step = loop.step
             loop.step += 1
             bar.update(1)
+            period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
             if log_now:
                 metrics, histograms = telemetry.read()
                 now = time.perf_counter()
@@ -185,9 +188,16 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
                     loop.step - loop.last_log_step, 1)})
                 sinks.log(metrics, step, histograms)
                 last_log_time, loop.last_log_step = now, loop.step
+                spike = telemetry.spiked(metrics, step)
+                if spike is not None:
+                    log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d "
+                                "steps", spike.metric, step, spike.value, spike.median, telemetry.spike.steps)
+                    sinks.spike(spike.row(period))
+                period = []
                 if not bar.disable:
                     bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items()
                                      if k.startswith("train/")})
+            telemetry.end_step(step)
         loop.train_s += time.perf_counter() - step_started
         epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < micro
         if epoch_done:
@@ -197,7 +207,8 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
         # SIGTERM/SIGINT: under DDP the ranks agree on log steps only, so no other step pays a collective
         stopping = ckpt.stop_requested if not parts.ranks.enabled else (
             log_now and parts.ranks.any(ckpt.stop_requested, device))
-        if stopping or (checkpoint_every and taken and loop.step % checkpoint_every == 0):
+        due = checkpoint_every and taken and loop.step % checkpoint_every == 0
+        if stopping or due or (spike is not None and telemetry.spike.checkpoint):
             save_checkpoint(ckpt, loop, model, telemetry)
         if stopping:
             log.warning("stopped by signal %s after step %d; checkpoint %s", ckpt.signum, loop.step, ckpt.path)

@@ -15,13 +15,9 @@ import torch
 
 from hookexp.run.distributed import Dist
 from hookexp.tasks import Task
+from hookexp.telemetry.readback import wide_dtype
 
-Decoder = Callable[[list[float]], dict[str, float]]
-
-
-def wide_dtype(device: torch.device) -> torch.dtype:
-    """What sums are kept in: float64, except on MPS (which has none)."""
-    return torch.float32 if device.type == "mps" else torch.float64
+Decoder = Callable[[Any], dict[str, float]]
 
 
 class TrainMeter:
@@ -46,8 +42,8 @@ class TrainMeter:
             totals = self.ranks.sum(totals)
         return totals, self.decode
 
-    def decode(self, values: list[float]) -> dict[str, float]:
-        *sums, count = values
+    def decode(self, values: Any) -> dict[str, float]:
+        *sums, count = (float(v) for v in values)
         means = {n: s / count if count else float("nan") for n, s in zip(self.names, sums, strict=True)}
         return {f"train/{k}": v for k, v in self.task.finish(means).items()}
 

@@ -45,13 +45,17 @@ def all_finite(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> torch.Te
 
 class NonFiniteGuard:
     def __init__(self, policy: str, model: nn.Module, touching: Callable[[list[str]], list[str]] | None = None,
-                 device: torch.device | None = None, check_grads: bool = True):
+                 device: torch.device | None = None, check_grads: bool = True,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.", key="guard.nan_policy")
         self.policy = policy
         self.model = model
         self.touching = touching or (lambda params: [])
         self.check_grads = check_grads  # False under fp16: the GradScaler itself skips overflowing steps
+        # FSDP: each rank sees its own shards; agree() makes the answer every rank's (else one rank raises or
+        # skips alone and the others wait for it in the next collective)
+        self.agree = agree
         self.sync = device is None or device.type == "cpu" or policy == "skip_step"
         self.skipped = 0
         self.warned = 0
@@ -63,6 +67,8 @@ class NonFiniteGuard:
             return True
         grads = [p.grad for p in self.model.parameters()] if self.check_grads else []
         finite = all_finite(loss, grads)
+        if self.agree is not None:
+            finite = self.agree(finite)
         if not self.sync:  # raise / warn on a GPU: remember the first bad step, read it on the log step
             here = torch.where(finite, -1, step)
             self._first = here if self._first is None else torch.where(self._first >= 0, self._first, here)
@@ -88,8 +94,8 @@ class NonFiniteGuard:
         first, self._first = self._first, None
         return (None if first is None else first.reshape(1).double()), self._decode
 
-    def _decode(self, values: list[float]) -> dict[str, Any]:
-        if values and values[0] >= 0:
+    def _decode(self, values: Any) -> dict[str, Any]:
+        if len(values) and values[0] >= 0:
             self._report(self.describe(None, int(values[0]), deferred=True))
         return {}
 

@@ -1,0 +1,226 @@
+"""Probes: what the statistics describe, captured by hooks attached once and acting on log steps only.
+
+A :class:`Probes` is built right after the hook specs are attached, before DDP wrapping and compiling,
+and lives as long as they do. While ``active`` is off (steps that do not log) its hooks return at once;
+while it is on they keep what the log step describes:
+
+- ``grads``: each matched parameter's ``.grad`` right before ``optimizer.step()``: after accumulation,
+  the DDP all-reduce, the AMP unscale and the ``pre_step`` specs, before ``trainer.clip_grad_norm``
+  (an optimizer step pre-hook registered after the specs' own);
+- ``activations``: the output of each matched module in a training forward (its first tensor when it
+  returns a tuple), through an engine ``forward`` spec on a probe handle, so torch.compile sees it from
+  the start: hooks added after compiling are ignored by torch;
+- ``params``: the weights after the update; ``updates``: the update (weights after minus before) and its
+  norm over the weights' norm before it; ``optimizer``: the norm of every optimizer state tensor shaped
+  like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``);
+- ``group_by``: a ``re:`` pattern; the parameters whose names it matches from the start are grouped by
+  the matched text (``re:^blocks\\.\\d+`` gives ``blocks.0``, ``blocks.1``, ...), and each group also gets
+  the norm of its members' gradients, weights and updates together.
+
+:meth:`Probes.pending` describes everything kept in ONE :class:`~hookexp.telemetry.stats.TensorStats`
+call: one collective a log step under DDP/FSDP (activations are each rank's part of the batch; FSDP's
+sharded parameters, gradients and optimizer states are combined from their shards), nothing read back
+(:func:`~hookexp.telemetry.readback.read` does that, with the other producers' values).
+Keys: ``grad/<param>/<stat>``, ``grad/global_norm``, ``act/<module>/{mean,std,frac_zero}``,
+``param/<param>/norm``, ``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``,
+``{grad,param,update}/group/<group>/norm``, and ``grad/<param>/hist`` / ``act/<module>/hist``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hookexp.engine import attach, match
+from hookexp.errors import ConfigError
+from hookexp.telemetry.readback import Pending
+from hookexp.telemetry.stats import STATS, TensorStats
+
+ACT_STATS = ("mean", "std", "frac_zero")
+_NORM_ONLY = ("param", "update", "opt", "weight")  # families described by their norm alone
+
+
+def _params(model: nn.Module, pattern: str | None, key: str, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:
+    if not pattern:
+        return []
+    return [(n, p) for n, p in match(model, pattern, on="parameter", key=key) if p.requires_grad or not trainable]
+
+
+def _grouper(pattern: str | None) -> Callable[[str], str | None]:
+    """``stats.group_by``: the group of a parameter name (None: in no group)."""
+    if not pattern:
+        return lambda name: None
+    if not isinstance(pattern, str) or not pattern.startswith("re:"):
+        raise ConfigError(f"expected a 're:' regular expression matched from the start of each parameter name, "
+                          f"e.g. 're:^blocks\\.\\d+' (one group per block), got {pattern!r}.", key="stats.group_by")
+    try:
+        rx = re.compile(pattern[3:])
+    except re.error as e:
+        raise ConfigError(f"{pattern!r} is not a valid regular expression ({e}).", key="stats.group_by") from None
+
+    def group(name: str) -> str | None:
+        m = rx.match(name)
+        return m.group(0).rstrip(".") or None if m else None
+    return group
+
+
+class Probes:
+    """The statistics probes of one model and optimizer; see the module docstring. ``activations_sharded``:
+    whether activations are one rank's part of a batch spread over the default process group (DDP/FSDP; by
+    default: whenever torch.distributed is initialized with several ranks)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, grads: str | None = "*",
+                 activations: str | None = None, params: str | None = None, updates: str | None = None,
+                 optimizer_state: str | None = None, group_by: str | None = None, hist_bins: int = 0,
+                 hist_sample: int | None = 4096, activations_sharded: bool | None = None, before_hook: bool = True):
+        self.grads = _params(model, grads, "stats.grads")
+        self.params = _params(model, params, "stats.params", trainable=False)
+        self.updates = _params(model, updates, "stats.updates")
+        self.opt_params = _params(model, optimizer_state, "stats.optimizer")
+        if optimizer is None and (self.grads or self.updates or self.opt_params):
+            raise ConfigError("gradient, update and optimizer statistics are taken around optimizer.step(): pass "
+                              "the optimizer.", key="stats")
+        self._group = _grouper(group_by)
+        self.describer = TensorStats(STATS, hist_bins, hist_sample)
+        if activations_sharded is None:
+            activations_sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._acts_sharded = activations_sharded
+        self._kept: dict[str, torch.Tensor] = {}
+        self._before: list[torch.Tensor] = []
+        self._active = False
+        self._handles: list[Any] = []
+        self._acts = None
+        if activations:
+            match(model, activations, on="module", key="stats.activations")  # a bad pattern names its key
+            self._acts = attach(model, {"stats.activations": {"target": activations, "kind": "forward",
+                                                              "transform": self._keep_activation, "phase": "train"}},
+                                measure=False, probe=True)
+        if optimizer is not None and (self.grads or self.updates or self.opt_params or self.params):
+            self._handles = [optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step())]
+            if before_hook:  # else the loop calls before_step() (see HookHandle.run_pre_step_by_hand)
+                self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_step()))
+        self._optimizer = optimizer
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is described at all."""
+        return bool(self.grads or self.params or self.updates or self.opt_params or self._acts is not None)
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        """On for a log step (set before its forward), off otherwise."""
+        self._active = on
+        if self._acts is not None:
+            self._acts.measuring = on
+
+    # -- capture ----------------------------------------------------------------------------------------
+    def _keep_activation(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if ctx.index in (None, 0) and x.is_floating_point() and x.numel():
+            self._kept[f"act/{ctx.target}"] = x.detach().clone()  # a later in-place op must not change it
+        return x
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """Right before the update, on final gradients (an optimizer step pre-hook calls it, or the loop)."""
+        if not self._active:
+            return
+        for name, p in self.grads:
+            if p.grad is not None and p.grad.numel():
+                self._kept[f"grad/{name}"] = p.grad.detach().clone()  # the clip after this works in place
+        self._before = [p.detach().clone() for _, p in self.updates]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Right after the update (an optimizer step post-hook calls it)."""
+        if not self._active:
+            return
+        for (name, p), before in zip(self.updates, self._before, strict=True):
+            self._kept[f"update/{name}"] = p.detach() - before
+            self._kept[f"weight/{name}"] = before
+        self._before = []
+        for name, p in self.params:
+            self._kept[f"param/{name}"] = p.detach()  # read in pending(), before the next update
+        for name, p in self.opt_params:
+            for state, value in self._optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.is_floating_point():
+                    self._kept[f"opt/{name}/{state}"] = value.detach()
+
+    # -- the log step -----------------------------------------------------------------------------------
+    def pending(self) -> Pending:
+        """What this log step kept, described (no host sync) with the decoder of its host copy; starts over."""
+        kept, self._kept = self._kept, {}
+        if not kept:
+            return None, lambda host: {}
+        sharded = [k for k in kept if k.startswith("act/")] if self._acts_sharded else ()
+        values, decode = self.describer.describe(kept, sharded=sharded)
+        return values, lambda host: self._metrics(decode(host))
+
+    def _metrics(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The describer's ``<key>/<stat>`` values as the documented metric keys."""
+        out: dict[str, Any] = {}
+        norms: dict[str, dict[str, float]] = {"grad": {}, "param": {}, "update": {}, "weight": {}}
+        for key, value in raw.items():
+            family, rest = key.split("/", 1)
+            tensor, stat = rest.rsplit("/", 1)
+            if family in _NORM_ONLY:
+                if stat != "norm":
+                    continue
+                if family == "opt":
+                    name, state = tensor.rsplit("/", 1)
+                    out[f"opt/{name}/{state}_norm"] = value
+                    continue
+                norms[family][tensor] = value
+                if family != "weight":
+                    out[key] = value
+            elif family == "act" and stat not in ACT_STATS and stat != "hist":
+                continue
+            else:
+                out[key] = value
+                if family == "grad" and stat == "norm":
+                    norms["grad"][tensor] = value
+        for name, weight in norms["weight"].items():
+            update = norms["update"].get(name)
+            if update is not None:
+                out[f"update/{name}/ratio"] = update / weight if weight else math.nan
+        if norms["grad"]:
+            out["grad/global_norm"] = _total(norms["grad"].values())
+        for family in ("grad", "param", "update"):
+            groups: dict[str, list[float]] = {}
+            for name, norm in norms[family].items():
+                g = self._group(name)
+                if g is not None:
+                    groups.setdefault(g, []).append(norm)
+            out.update({f"{family}/group/{g}/norm": _total(v) for g, v in groups.items()})
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._acts is not None:
+            self._acts.remove()
+        self._kept.clear()
+        self._before = []
+
+
+def _total(norms: Any) -> float:
+    """The norm of several tensors together, from each one's norm (an exactly rounded sum of squares)."""
+    values = np.asarray(list(norms), dtype=np.float64)
+    return math.sqrt(math.fsum((values * values).tolist()))
+
+
+def split_histograms(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(scalars, histograms): the ``.../hist`` keys hold ``(counts, edges)`` pairs."""
+    hists = {k: v for k, v in values.items() if k.endswith("/hist")}
+    return {k: v for k, v in values.items() if not k.endswith("/hist")}, hists

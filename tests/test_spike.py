@@ -1,0 +1,73 @@
+"""guard.spike: a spike injected at a known step is logged every step after, recorded, checkpointed, and written
+to spikes.jsonl with the steps and batches that led to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TESTS, read_jsonl
+from hydra import compose, initialize_config_module
+
+from hookexp.errors import ConfigError
+from hookexp.run.loop import train
+from hookexp.telemetry.spike import SpikeRecorder
+
+SPIKE = ["guard.spike.metric=train/loss", "guard.spike.window=2", "guard.spike.threshold=3", "guard.spike.steps=3",
+         "guard.spike.record=[rec]", "+hooks.rec={target:fc2,kind:forward,transform:record}",
+         "+hooks.boom={target:fc2,kind:forward,transform:{_target_:user_transforms.spike_at,step:13}}"]
+
+
+def config(*overrides: str):
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def user_transforms(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+def test_a_spike_is_logged_every_step_recorded_checkpointed_and_written_with_its_batches(tmp_path: Path):
+    """Noisy logits at step 13; log steps every 5: the log step 15 averages steps 11..15 and is the spike."""
+    summary = train(config(*SPIKE, "stats.every=5", "trainer.max_steps=25", "trainer.accumulate=2",
+                           "data.batch_size=32"), tmp_path)
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["trainer/step"] for r in rows] == [0, 5, 10, 15, 16, 17, 18, 20, 24]
+    (spike,) = read_jsonl(tmp_path / "spikes.jsonl")
+    history = [rows[1]["train/loss"], rows[2]["train/loss"]]
+    assert spike["trainer/step"] == 15 and spike["metric"] == "train/loss" and spike["value"] == rows[3]["train/loss"]
+    assert spike["median"] == max(history) and spike["value"] > 3 * spike["median"]  # the upper of 2: the median
+    per_epoch = 46  # the training digits in batches of 32
+    want = [{"step": s, "epoch": 2 * s // per_epoch, "batches": [2 * s % per_epoch, 2 * s % per_epoch + 1]}
+            for s in range(11, 16)]
+    assert spike["steps"] == want
+    records = torch.load(tmp_path / "records" / "rec.pt", weights_only=True)
+    assert sorted({r["step"] for r in records}) == [16, 17, 18]  # the record spec acts only in the spike's window
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)  # the spike's (none other was due)
+    assert ckpt["loop"]["step"] == 16 and ckpt["telemetry"]["spike"]["until"] == 19
+    assert summary["guard/spikes"] == 1 and summary["status"] == "finished"
+
+
+def test_the_recorder_compares_with_the_median_of_its_window():
+    rec = SpikeRecorder.from_config({"metric": "m", "window": 3, "threshold": 2.0, "steps": 2}, [], [])
+    assert [rec.observe({"m": v}, s) for s, v in enumerate([1.0, 5.0, 1.2])] == [None] * 3  # filling the window
+    assert rec.observe({"m": 2.3}, 3) is None  # median 1.2: 2.3 < 2.4
+    spike = rec.observe({"m": 9.0}, 4)
+    assert (spike.step, spike.value, spike.median) == (4, 9.0, 2.3)  # the window is [5.0, 1.2, 2.3] now
+    assert rec.logging_every_step(5) and rec.logging_every_step(6) and not rec.logging_every_step(7)
+    assert rec.observe({"m": 100.0}, 6) is None  # inside the window: not compared, not remembered
+    assert rec.observe({"m": float("nan")}, 7) is None and list(rec.history) == [5.0, 1.2, 2.3]
+
+
+def test_bad_spike_settings_name_their_key():
+    with pytest.raises(ConfigError, match=r"^guard\.spike\.threshold: must be above 1"):
+        SpikeRecorder.from_config({"metric": "m", "threshold": 0.5}, [], [])
+    with pytest.raises(ConfigError, match=r"^guard\.spike\.window: must be a whole number of at least 1"):
+        SpikeRecorder.from_config({"metric": "m", "window": 0}, [], [])
+    with pytest.raises(ConfigError, match=r"^guard\.spike\.record: 'recc' cannot be recorded on a spike: it is not a "
+                                          r"hook spec of this run.*Did you mean 'rec'"):
+        SpikeRecorder.from_config({"metric": "m", "record": ["recc"]}, ["rec"], ["rec", "clamp"])
+    with pytest.raises(ConfigError, match=r"'clamp' cannot be recorded on a spike: its transform is not 'record'"):
+        SpikeRecorder.from_config({"metric": "m", "record": ["clamp"]}, ["rec"], ["rec", "clamp"])
