@@ -8,6 +8,8 @@ The library API (no Hydra, no W&B)::
         model(x).sum().backward()
     hooks.stats()
 
+    hookexp.watch(model, optimizer, every=10, log=wandb.run)   # the trainer's statistics in any loop
+
 The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`. Names load on first use (PEP 562),
 so ``import hookexp`` and the CLI's ``--help`` import no torch.
 """
@@ -27,6 +29,7 @@ _EXPORTS = {
                      "RegistryError", "SpecError", "SpecErrors", "TargetError", "TransformArgsError",
                      "TransformOutputError", "HookWarning", "CheckpointError", "NonFiniteError", "RunDirError",
                      "RunFilesError"), "hookexp.errors"),
+    **dict.fromkeys(("watch", "Watch"), "hookexp.telemetry.watch"),
 }
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "TransformArgsError",
     "TransformOutputError",
     "ValidationReport",
+    "Watch",
     "attach",
     "match",
     "parse_specs",
@@ -62,6 +66,7 @@ __all__ = [
     "register_transform",
     "register_transform_alias",
     "validate",
+    "watch",
 ]
 
 if TYPE_CHECKING:
@@ -101,6 +106,7 @@ if TYPE_CHECKING:
         TransformArgsError,
         TransformOutputError,
     )
+    from hookexp.telemetry.watch import Watch, watch
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,63 @@
+"""``HookexpCallback`` for ``lightning.Trainer``: hook specs and the hookexp trainer's statistics in a Lightning fit.
+
+::
+
+    from hookexp.integrations.lightning import HookexpCallback
+    trainer = lightning.Trainer(callbacks=[HookexpCallback(
+        hooks={"clamp": {"target": "conv", "kind": "output_grad", "transform": "clamp", "args": {"min": 0.0}}},
+        stats={"every": 10, "activations": "relu*", "hist_bins": 32})])
+
+At ``fit`` start it attaches the specs and the probes (:class:`hookexp.Watch`) to the LightningModule and its
+(first) optimizer; at the end, or on an exception, it removes them. Every ``stats.every``-th optimizer step its
+metrics go to every logger of the trainer (``logger.log_metrics``; a ``WandbLogger`` also gets the histograms),
+with ``step`` the 0-based index of the optimizer step described. A resumed fit goes on from ``global_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from hookexp.telemetry.probes import split_histograms
+from hookexp.telemetry.watch import Watch, as_logger, settings_from
+
+
+class HookexpCallback(Callback):
+    def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None):
+        self.hooks = hooks
+        self.stats = settings_from(stats)
+        self.watch: Watch | None = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._remove()
+        optimizer = trainer.optimizers[0]
+        self.watch = Watch(pl_module, getattr(optimizer, "optimizer", optimizer), hooks=self.hooks,
+                           log=lambda metrics, step: self._log(trainer, metrics, step), step=trainer.global_step,
+                           before_hook=False, **self.stats)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Lightning's optimizer.step(closure) runs the backward inside the closure, after torch's step pre-hooks:
+        the pre_step specs and the gradient probes run here instead, on the final gradients (before clipping)."""
+        if self.watch is not None:
+            self.watch.before_step()
+
+    @staticmethod
+    def _log(trainer: Any, metrics: dict[str, Any], step: int) -> None:
+        scalars, hists = split_histograms(metrics)
+        for logger in trainer.loggers:
+            logger.log_metrics({"trainer/step": step, **scalars}, step=step)
+            if hists and type(logger).__name__ == "WandbLogger":
+                as_logger(logger.experiment)({"trainer/step": step, **hists}, step)  # type: ignore[misc]
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._remove()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self.watch is not None:
+            self.watch.remove()
+            self.watch = None

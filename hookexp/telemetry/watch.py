@@ -1,0 +1,146 @@
+"""``hookexp.watch``: the statistics the hookexp trainer logs, in any training loop, with no call in the loop.
+
+::
+
+    import hookexp
+    w = hookexp.watch(model, optimizer, every=10, log=wandb.run)        # or log=lambda metrics, step: ...
+    for x, y in loader:                                                # your loop, unchanged
+        loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+    w.remove()                                                         # or: with hookexp.watch(...):
+
+The drop-in replacement for ``wandb.watch(model, log="gradients")``: the same probes as the trainer
+(:class:`~hookexp.telemetry.probes.Probes`: gradients right before ``optimizer.step()``, activations,
+weights, updates, optimizer state, group norms, histograms), and optionally hook specs, whose effects are
+measured on the same steps. Everything runs from optimizer hooks: after ``optimizer.step()`` of a log step
+the probes' values are read back in one copy and handed to ``log(metrics, step)``, ``step`` being the
+0-based index of the optimizer step they describe (``trainer/step``); then the next step's probes are
+switched on or off. A W&B run (anything with ``.log``) gets the scalars, ``trainer/step`` and the
+histograms as ``wandb.Histogram``; a callable gets one dict whose ``.../hist`` keys hold ``(counts, edges)``.
+Under DDP/FSDP every rank must watch (activations and sharded tensors are combined over the ranks);
+give ``log`` on rank 0 only, or let it check the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookexp.errors import ConfigError
+from hookexp.telemetry.probes import Probes, split_histograms
+from hookexp.telemetry.readback import Pending, read
+
+Log = Callable[[dict[str, Any], int], Any]
+
+
+def as_logger(log: Any) -> Log | None:
+    """``log`` as a function of (metrics, step): a W&B run, a callable, or None (keep the values only)."""
+    if log is None or (callable(log) and not hasattr(log, "log")):
+        return log
+    if not callable(getattr(log, "log", None)):
+        raise ConfigError(f"expected a W&B run (anything with .log) or a callable log(metrics, step), got {log!r}.",
+                          key="watch(log=...)")
+
+    def to_run(metrics: dict[str, Any], step: int) -> None:
+        scalars, hists = split_histograms(metrics)
+        if hists:
+            import wandb
+
+            scalars.update({k: wandb.Histogram(np_histogram=(c, e)) for k, (c, e) in hists.items()})
+        log.log({"trainer/step": step, **scalars})
+    return to_run
+
+
+class Watch:
+    """What :func:`watch` returns: owns its probes, hooks and optimizer hook; :meth:`remove` takes them all away."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int = 10,
+                 grads: str | None = "*", activations: str | None = None, params: str | None = None,
+                 updates: str | None = None, optimizer_state: str | None = None, group_by: str | None = None,
+                 hist_bins: int = 64, hist_sample: int | None = 4096, hooks: Any = None, log: Any = None,
+                 step: int = 0, before_hook: bool = True):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"expected a whole number of optimizer steps, at least 1, got {every!r}.",
+                              key="watch(every=...)")
+        self.every, self.step = every, step
+        self._log = as_logger(log)
+        self.last: dict[str, Any] = {}  # the metrics of the last log step
+        # the hooks first: their pre_step specs run before the probes look at the gradients
+        self.hooks = None
+        if hooks:
+            from hookexp.engine import attach
+
+            self.hooks = attach(model, hooks, optimizer, measure=False)
+            if not before_hook:
+                self.hooks.run_pre_step_by_hand()
+        try:
+            self.probes = Probes(model, optimizer, grads=grads, activations=activations, params=params,
+                                 updates=updates, optimizer_state=optimizer_state, group_by=group_by,
+                                 hist_bins=hist_bins, hist_sample=hist_sample, before_hook=before_hook)
+        except BaseException:
+            if self.hooks is not None:
+                self.hooks.remove()
+            raise
+        self._handle = optimizer.register_step_post_hook(self._after_step)
+        self._switch()
+
+    def _switch(self) -> None:
+        on = self.step % self.every == 0
+        self.probes.active = on
+        if self.hooks is not None:
+            self.hooks.measuring = on
+
+    def before_step(self) -> None:
+        """With ``before_hook=False``: the loop calls this once the gradients are final, right before the update
+        (the ``pre_step`` specs, then the probes). For loops whose ``optimizer.step(closure)`` runs the backward
+        inside the closure, after torch's step pre-hooks (Lightning)."""
+        if self.hooks is not None:
+            self.hooks.apply_pre_step()
+        self.probes.before_step()
+
+    def pending(self) -> list[Pending]:
+        out = [self.probes.pending()]
+        if self.hooks is not None:
+            values, decode = self.hooks.pending_stats(reset=True)
+            out.append((values, lambda host: {f"hook/{spec}/{k}": v for spec, row in decode(host.tolist()).items()
+                                              for k, v in row.items() if k != "targets"}))
+        return out
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.probes.active:
+            self.last = read(self.pending())
+            if self._log is not None:
+                self._log(dict(self.last), self.step)
+        self.step += 1
+        self._switch()
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.probes.remove()
+        if self.hooks is not None:
+            self.hooks.remove()
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, grads: str | None = "*",
+          activations: str | None = None, log: Any = None, **settings: Any) -> Watch:
+    """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
+    docstring. ``settings``: params, updates, optimizer_state, group_by, hist_bins (64, as wandb.watch),
+    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step)."""
+    return Watch(model, optimizer, every=every, grads=grads, activations=activations, log=log, **settings)
+
+
+def settings_from(stats: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A ``stats`` mapping as the trainer's config writes it (``optimizer`` for the optimizer state) as
+    :class:`Watch` keywords."""
+    stats = dict(stats or {})
+    if "optimizer" in stats:
+        stats["optimizer_state"] = stats.pop("optimizer")
+    return stats

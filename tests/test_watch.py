@@ -1,0 +1,201 @@
+"""hookexp.watch in a hand loop, the Lightning callback in a lightning.Trainer and the HF callback in a
+transformers.Trainer log the same statistics as the hookexp trainer on the same model and data."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import has_module, read_jsonl, wandb_history
+from omegaconf import OmegaConf
+
+import hookexp
+from hookexp import ConfigError
+from hookexp.run import compose
+from hookexp.run.build import build
+from hookexp.run.distributed import Dist
+from hookexp.run.loaders import to_device
+from hookexp.run.loop import train
+
+STEPS, EVERY = 7, 2  # the last step (6) is a log step of both
+STATS = ["stats.activations=relu*", "stats.params=*", "stats.updates=*", "stats.optimizer=*",
+         r"stats.group_by='re:^(conv|fc)\d'"]
+CPU = torch.device("cpu")
+
+
+def hooks() -> dict:
+    """The trainer's hook set, hooks=clamp_conv (an output_grad clamp on conv1 and conv2), as a mapping."""
+    return OmegaConf.to_container(config().hooks, resolve=True)
+
+
+def config():
+    return compose("logger=none", "trainer.progress=false", f"trainer.max_steps={STEPS}", f"stats.every={EVERY}",
+                   "hooks=clamp_conv", *STATS)
+
+
+@pytest.fixture(scope="module")
+def trainer_rows(tmp_path_factory) -> dict[int, dict]:
+    """What the hookexp trainer logs: step -> its statistics (grad/, act/, param/, update/, opt/, hook/)."""
+    run = tmp_path_factory.mktemp("trainer") / "run"
+    train(config(), run)
+    return {r["trainer/step"]: r for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r}
+
+
+def statistics(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k.startswith(("grad/", "act/", "param/", "update/", "opt/"))
+            or (k.startswith("hook/") and not k.endswith(("/calls", "/calls_last_step")))}
+
+
+def assert_same(got: dict[int, dict], want: dict[int, dict]) -> None:
+    assert sorted(got) == sorted(want) == list(range(0, STEPS, EVERY))
+    for step in want:
+        expected = statistics(want[step])
+        assert len(expected) > 100  # 8 parameters x (7 + 4 + 1) statistics, 3 relus x 3, group norms, the clamp
+        assert sorted(statistics(got[step])) == sorted(expected), step
+        for key, value in expected.items():
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
+def the_same_model_and_batches():
+    """The trainer's model (same seed, same init), optimizer, task and first batches."""
+    parts = build(config(), Dist(), CPU)
+    batches = [to_device(b, CPU) for b in itertools.islice(parts.loaders.epoch(0), STEPS)]
+    return parts, batches
+
+
+def watch_settings() -> dict:
+    return {"every": EVERY, "activations": "relu*", "params": "*", "updates": "*", "optimizer_state": "*",
+            "group_by": r"re:^(conv|fc)\d", "hist_bins": 0}
+
+
+def test_watch_in_a_hand_loop_logs_what_the_trainer_logs(trainer_rows):
+    parts, batches = the_same_model_and_batches()
+    model, optimizer, task = parts.model, parts.optimizer, parts.task
+    got: dict[int, dict] = {}
+    with hookexp.watch(model, optimizer, log=lambda metrics, step: got.__setitem__(step, metrics), hooks=hooks(),
+                       **{k: v for k, v in watch_settings().items() if k != "every"}, every=EVERY) as w:
+        model.train()
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            task.loss(task.forward(model, batch), batch).backward()
+            optimizer.step()
+    assert w.step == STEPS
+    assert_same(got, trainer_rows)
+    assert not model.conv1._forward_hooks and not optimizer._optimizer_step_post_hooks  # all removed
+
+
+def test_watch_logs_to_a_wandb_run_with_histograms(tmp_path: Path):
+    import wandb
+
+    parts, batches = the_same_model_and_batches()
+    model, optimizer, task = parts.model, parts.optimizer, parts.task
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="watch-test")
+    try:
+        with hookexp.watch(model, optimizer, every=3, log=run, hist_bins=8):
+            for batch in batches:
+                optimizer.zero_grad()
+                task.loss(task.forward(model, batch), batch).backward()
+                optimizer.step()
+    finally:
+        run.finish()
+    rows = [r for r in wandb_history(tmp_path) if "trainer/step" in r]
+    assert [r["trainer/step"] for r in rows] == [0, 3, 6]
+    assert {"grad/conv1.weight/norm", "grad/global_norm", "grad/fc2.bias/hist.values"} <= set(rows[1])
+    assert len(rows[1]["grad/fc2.bias/hist.values"]) == 8
+
+
+def test_bad_watch_settings_are_refused_naming_them():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"^watch\(every=\.\.\.\): expected a whole number"):
+        hookexp.watch(model, opt, every=0)
+    with pytest.raises(ConfigError, match=r"^watch\(log=\.\.\.\): expected a W&B run"):
+        hookexp.watch(model, opt, log=42)
+    with pytest.raises(ConfigError, match=r"stats\.grads.*Did you mean 'weight'"):
+        hookexp.watch(model, opt, grads="weigth")
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+
+
+@pytest.mark.skipif(not has_module("lightning"), reason="needs the extra .[lightning]")
+def test_the_lightning_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import Logger
+
+    from hookexp.integrations.lightning import HookexpCallback
+
+    parts, batches = the_same_model_and_batches()
+    net, task = parts.model, parts.task
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            for name, child in net.named_children():  # the same parameter names as the trainer's model
+                self.add_module(name, child)
+
+        def forward(self, x):
+            return net(x)
+
+        def training_step(self, batch, i):
+            return task.loss(task.forward(self, batch), batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.0)
+
+    class Capture(Logger):
+        name, version = "capture", 0
+        def __init__(self):
+            super().__init__()
+            self.rows: dict[int, dict] = {}
+
+        def log_metrics(self, metrics, step=None):
+            if "trainer/step" in metrics:
+                self.rows[step] = metrics
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    logger = Capture()
+    stats = {k: v for k, v in watch_settings().items() if k != "optimizer_state"} | {"optimizer": "*"}
+    trainer = pl.Trainer(max_steps=STEPS, logger=logger, callbacks=[HookexpCallback(hooks=hooks(), stats=stats)],
+                         accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    trainer.fit(Module(), loader)
+    assert_same(logger.rows, trainer_rows)
+
+
+@pytest.mark.skipif(not has_module("transformers") or not has_module("accelerate"), reason="needs the extra .[hf]")
+def test_the_hf_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path):
+    import transformers
+
+    from hookexp.integrations.hf import HookexpCallback
+
+    parts, batches = the_same_model_and_batches()
+    net, task, optimizer = parts.model, parts.task, parts.optimizer
+
+    class Wrapper(torch.nn.Module):  # what a HF Trainer wants: a mapping in, a loss out
+        def __init__(self):
+            super().__init__()
+            for name, child in net.named_children():
+                self.add_module(name, child)
+
+        def forward(self, x, labels):
+            return {"loss": task.loss(net(x), (x, labels))}
+
+    class Batches(transformers.Trainer):
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches], batch_size=None)
+
+    got: dict[int, dict] = {}
+    callback = HookexpCallback(hooks=hooks(), stats=watch_settings(),
+                               log=lambda metrics, step: got.__setitem__(step, metrics))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, max_grad_norm=0.0,
+                                          lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                                          logging_strategy="no", save_strategy="no", disable_tqdm=True)
+    trainer = Batches(model=Wrapper(), args=args, optimizers=(optimizer, None), callbacks=[callback])
+    trainer.train()
+    assert_same(got, trainer_rows)
+    assert [r["step"] for r in trainer.state.log_history if "grad/global_norm" in r] == [0, 2, 4, 6]
+    assert callback.watch is None and not optimizer._optimizer_step_post_hooks  # removed at the end
