@@ -37,11 +37,12 @@ def test_your_own_model_data_and_loss_runs_as_the_readme_shows(tmp_path: Path):
     commands = [line for lang, body in blocks(text) if lang == "bash" for line in body.splitlines() if line]
     assert len(commands) == 3
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_MODE")}  # found from the cwd
-    env["WANDB_SILENT"] = "true"
+    env.update(WANDB_SILENT="true", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")  # hookexp, python: the venv's
     for command in commands:
         args = shlex.split(command)
-        program = {"hookexp": str(BIN / "hookexp"), "python": sys.executable}[args[0]]
-        done = subprocess.run([program, *args[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+        assert args[0] in ("hookexp", "python")
+        # run by bash as a user pastes it: an unquoted {a,b} argument would be split by brace expansion
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, (command, done.stderr[-3000:])
         if args[0] == "python":
