@@ -69,12 +69,17 @@ def check_hook_files(config_name: str, overrides: list[str]) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
     loader = GlobalHydra.instance().config_loader()
+    # the repository with the search path the overrides give (hydra.searchpath, as compose(config_dir=) adds it);
+    # hydra-core is pinned below 1.4
+    _, repo = loader._parse_overrides_and_create_caching_repo(config_name, overrides)  # type: ignore[attr-defined]
     owner: dict[str, str] = {}
     for default in loader.compute_defaults_list(config_name, overrides, RunMode.RUN).defaults:
         path = default.config_path or ""
         if not path.startswith("hooks/"):
             continue
-        for name in loader.repository.load_config(path).config:  # type: ignore[union-attr]
+        for name in repo.load_config(path).config:
+            if owner.get(name) == path:
+                raise ConfigError(f"{path}.yaml is selected twice; select each hook file once.", key="hooks")
             if name in owner:
                 raise ConfigError(f"spec {name!r} is defined by two hook files, {owner[name]}.yaml and {path}.yaml; "
                                   "Hydra would merge them and the second would silently replace the first. Rename "

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from conftest import read_jsonl, run_cli, wandb_history, wandb_summary
+
+from hookexp.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +209,61 @@ def test_unknown_wandb_mode_is_refused(workdir):
     done = run_cli(["logger.mode=ofline", "trainer.max_steps=2", "hydra.run.dir=run"], workdir)
     assert done.returncode == 2
     assert "hookexp: error: logger.mode: unknown W&B mode 'ofline'. Use offline, online or disabled." in done.stderr
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_paragraph(workdir):
+    """Issue 20.10: a file where a folder of the run directory's path should be (as root, permissions cannot stand
+    in: root writes anywhere); the same check covers a read-only disk."""
+    (workdir / "blocker").write_text("a file")
+    done = run_cli(["trainer.max_steps=2", "logger=none", "hydra.run.dir=blocker/run"], workdir)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"hookexp: error: hydra.run.dir: cannot write the run directory {workdir / 'blocker' / 'run'}: "
+        f"{workdir / 'blocker'} is a file, not a directory. Choose a writable directory with hydra.run.dir=PATH, "
+        "or fix the path or its permissions.")
+    assert "Traceback" not in done.stderr
+
+
+def hook_files(workdir: Path) -> Path:
+    conf = workdir / "mine" / "hooks"
+    conf.mkdir(parents=True)
+    for name, kind, transform in (("a", "output_grad", "clamp"), ("b", "forward", "zero")):
+        (conf / f"{name}.yaml").write_text(f"clip:\n  target: fc1\n  kind: {kind}\n  transform: {transform}\n")
+    return workdir / "mine"
+
+
+def test_the_same_spec_name_in_two_selected_hook_files_is_refused_naming_both(workdir):
+    """Issue 20.12: Hydra would merge the two (b's kind and transform with a's fields); refused on the command line
+    and in the Python API's compose, before anything is written."""
+    conf = hook_files(workdir)
+    done = run_cli(["--config-dir", str(conf), "hooks=[a,b]", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2 and not (workdir / "run").exists()
+    expected = ("hooks.clip: spec 'clip' is defined by two hook files, hooks/a.yaml and hooks/b.yaml; Hydra would "
+                "merge them and the second would silently replace the first. Rename the spec in one of them")
+    assert f"hookexp: error: {expected}" in done.stderr
+    from hookexp.run import compose
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        compose("hooks=[a,b]", config_dir=conf)
+    with pytest.raises(ConfigError, match=r"^hooks: hooks/clamp_conv\.yaml is selected twice; select each hook file"):
+        compose("hooks=[clamp_conv,clamp_conv]")
+    assert compose("hooks=[a]", config_dir=conf).hooks.clip.kind == "output_grad"
+
+
+def test_a_batch_the_model_cannot_take_names_the_data_and_the_fix(workdir):
+    """A mapping batch whose keys are not the model's forward parameters: one paragraph, not torch's TypeError."""
+    (workdir / "mapdata.py").write_text(
+        "import torch\n\n"
+        "class Rows(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 64\n\n"
+        "    def __getitem__(self, i):\n"
+        "        return {'features': torch.randn(1, 8, 8), 'labels': torch.tensor(i % 10)}\n\n"
+        "def make():\n    return Rows(), Rows()\n")
+    done = run_cli(["data.dataset._target_=mapdata.make", "model.in_channels=1", "model.image_size=8",
+                    "model.num_classes=10", "hydra.run.dir=run", "logger=none"], workdir,
+                   env={"PYTHONPATH": str(workdir)})
+    assert done.returncode == 2 and not (workdir / "run").exists()
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("hookexp: error: data.dataset: the model cannot take a training batch: "), last
+    assert "forward() missing 1 required positional argument" in last and "keys ['features', 'labels']" in last
+    assert "Traceback" not in done.stderr

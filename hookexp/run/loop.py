@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,18 @@ def preflight(parts: Parts) -> None:
             raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
                               "one that yields nothing). Check the data factory.", key="data.dataset")
         batch = to_device(batch, parts.device)
-        output = parts.task.forward(parts.model, batch)
+        try:
+            output = parts.task.forward(parts.model, batch)
+        except TypeError as e:  # the model's forward cannot take what the batch gives it
+            if "forward()" not in str(e):
+                raise
+            given = (f"a mapping with keys {sorted(batch)}" if isinstance(batch, Mapping) else
+                     f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else
+                     type(batch).__name__)
+            raise ConfigError(f"the model cannot take a training batch: {e}. The batch is {given}: a mapping's entries "
+                              "go to forward's parameters of the same names, a tuple's elements but the last "
+                              "(the target) go positionally. Name the data's keys after forward's parameters, or "
+                              "return (inputs, target) pairs.", key="data.dataset") from None
         parts.task.sums(output, batch, parts.task.loss(output, batch))
     finally:
         parts.model.train()

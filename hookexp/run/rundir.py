@@ -13,6 +13,7 @@ No torch here: the CLI imports this before composing, and ``--help`` must stay f
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -37,9 +38,26 @@ def truthy(value: object) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
+def require_creatable(run_dir: Path) -> None:
+    """One paragraph when the run directory cannot be made or written: a file where a folder of its path should be,
+    a read-only disk, no permission. (Checked before Hydra makes it, whose error would be a traceback.)"""
+    there = run_dir
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        why = f"{there} is a file, not a directory"
+    elif not os.access(there, os.W_OK | os.X_OK):
+        why = f"{there} is not writable (permissions, or a read-only file system)"
+    else:
+        return
+    raise RunDirError(f"cannot write the run directory {run_dir}: {why}. Choose a writable directory with "
+                      "hydra.run.dir=PATH, or fix the path or its permissions.", key="hydra.run.dir")
+
+
 def claim(run_dir: Path, resume: object, overwrite: object) -> bool:
     """Check ``run_dir`` before a run starts; returns whether this launch creates it (then a failure before
     training removes it again)."""
+    require_creatable(run_dir)
     if not run_dir.exists():
         return True
     found = results_in(run_dir)
