@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from hookexp.telemetry.probes import split_histograms
+from hookexp.telemetry.readback import split_histograms
 from hookexp.telemetry.watch import Watch, as_logger, settings_from
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from hookexp.telemetry.probes import split_histograms
+from hookexp.telemetry.readback import split_histograms
 from hookexp.telemetry.watch import Watch, as_logger, settings_from
 
 

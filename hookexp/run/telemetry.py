@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from hookexp.errors import ConfigError
 from hookexp.telemetry.guard import NonFiniteGuard
 from hookexp.telemetry.meter import TrainMeter
-from hookexp.telemetry.probes import Probes, split_histograms
-from hookexp.telemetry.readback import Pending, read
+from hookexp.telemetry.probes import Probes, hook_effects
+from hookexp.telemetry.readback import Pending, read, split_histograms
 from hookexp.telemetry.spike import Spike, SpikeRecorder
 
 
@@ -86,14 +86,8 @@ class Telemetry:
 
     def read(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The log step: every producer's values in one read-back; returns (metrics, histograms)."""
-        hook_values, hook_decode = self.hooks.pending_stats(reset=True)
-        guard_values, guard_decode = self.guard.pending()
-        producers: list[Pending] = [
-            self.meter.pending(),
-            (hook_values, lambda host: _hook_metrics(hook_decode(host.tolist()))),
-            (guard_values, guard_decode),
-            self.probes.pending(),
-        ]
+        producers: list[Pending] = [self.meter.pending(), hook_effects(self.hooks), self.guard.pending(),
+                                    self.probes.pending()]
         if self._clip_norm is not None:
             norm, self._clip_norm = self._clip_norm, None
             producers.append((torch.stack([norm.float(), (norm > self._clip).float()]), _clip_decode))
@@ -143,10 +137,6 @@ class Telemetry:
             h.remove()
         self._handles.clear()
         self.probes.remove()
-
-
-def _hook_metrics(stats: dict[str, dict[str, float]]) -> dict[str, float]:
-    return {f"hook/{spec}/{k}": v for spec, row in stats.items() for k, v in row.items() if k != "targets"}
 
 
 def _clip_decode(values: np.ndarray) -> dict[str, float]:

@@ -109,11 +109,6 @@ class Probes:
         self._optimizer = optimizer
 
     @property
-    def enabled(self) -> bool:
-        """Whether anything is described at all."""
-        return bool(self.grads or self.params or self.updates or self.opt_params or self._acts is not None)
-
-    @property
     def active(self) -> bool:
         return self._active
 
@@ -214,13 +209,15 @@ class Probes:
         self._before = []
 
 
+def hook_effects(hooks: Any) -> Pending:
+    """What the specs of ``hooks`` (a HookHandle) did since the last read, as ``hook/<spec>/<stat>``; resets."""
+    values, decode = hooks.pending_stats(reset=True)
+    return values, lambda host: {f"hook/{spec}/{k}": v for spec, row in decode(host.tolist()).items()
+                                 for k, v in row.items() if k != "targets"}
+
+
 def _total(norms: Any) -> float:
     """The norm of several tensors together, from each one's norm (an exactly rounded sum of squares)."""
     values = np.asarray(list(norms), dtype=np.float64)
     return math.sqrt(math.fsum((values * values).tolist()))
 
-
-def split_histograms(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(scalars, histograms): the ``.../hist`` keys hold ``(counts, edges)`` pairs."""
-    hists = {k: v for k, v in values.items() if k.endswith("/hist")}
-    return {k: v for k, v in values.items() if not k.endswith("/hist")}, hists

@@ -49,3 +49,9 @@ def read(pending: Iterable[Pending]) -> dict[str, Any]:
         out.update(decode(host[start:start + n]))
         start += n
     return out
+
+
+def split_histograms(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(scalars, histograms) of what :func:`read` gave: the ``.../hist`` keys hold ``(counts, edges)`` pairs."""
+    hists = {k: v for k, v in values.items() if k.endswith("/hist")}
+    return {k: v for k, v in values.items() if not k.endswith("/hist")}, hists

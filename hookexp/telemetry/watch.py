@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from hookexp.errors import ConfigError
-from hookexp.telemetry.probes import Probes, split_histograms
-from hookexp.telemetry.readback import Pending, read
+from hookexp.telemetry.probes import Probes, hook_effects
+from hookexp.telemetry.readback import Pending, read, split_histograms
 
 Log = Callable[[dict[str, Any], int], Any]
 
@@ -101,12 +101,7 @@ class Watch:
         self.probes.before_step()
 
     def pending(self) -> list[Pending]:
-        out = [self.probes.pending()]
-        if self.hooks is not None:
-            values, decode = self.hooks.pending_stats(reset=True)
-            out.append((values, lambda host: {f"hook/{spec}/{k}": v for spec, row in decode(host.tolist()).items()
-                                              for k, v in row.items() if k != "targets"}))
-        return out
+        return [self.probes.pending(), *([] if self.hooks is None else [hook_effects(self.hooks)])]
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.probes.active:
