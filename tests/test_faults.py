@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, read_jsonl
+from conftest import TESTS, read_jsonl, wandb_summary
 from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, RunFilesError
@@ -114,11 +114,15 @@ def test_resuming_from_the_final_checkpoint_writes_the_final_summary(tmp_path):
 
 
 def test_sigterm_during_shutdown_does_not_cut_it(tmp_path):
-    """Issue 20.5: the summary is written and the run ends as finished."""
-    done = fault(tmp_path, "term_in_shutdown", "trainer.max_steps=5", "logger=none", "hydra.run.dir=run")
+    """Issue 20.5: the summary is written, the run ends as finished, and its W&B run is finished with that
+    summary (the signal comes while the plot is drawn, before W&B's finish)."""
+    done = fault(tmp_path, "term_in_shutdown", "trainer.max_steps=5", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["signal"] == 15
+    wandb = wandb_summary(tmp_path / "run")
+    assert wandb["summary"]["status"] == "finished" and wandb["summary"]["signal"] == 15, wandb
+    assert wandb["summary"]["val/acc"] == summary["val/acc"]
 
 
 def fault(cwd: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
