@@ -275,6 +275,27 @@ def test_select_heads_on_the_input_of_the_attention_projection():
     same_as_hand(model, ids, spec, install)
 
 
+def test_select_heads_on_an_attention_output():
+    """The attention module's output (after its projection) split into heads: ablate heads 1 and 3 of it."""
+    torch.manual_seed(0)
+    model, ids = GPT(), torch.randint(0, 17, (2, 8))
+    spec = {"heads": {"target": "blocks.1.attn", "kind": "forward", "transform": "zero",
+                      "select": {"heads": [1, 3], "num_heads": 4}}}
+
+    def install(ref):
+        def hook(mod, args, out):
+            y = out.clone()
+            b, t, c = y.shape
+            y.view(b, t, 4, c // 4)[:, :, [1, 3]] = 0.0
+            return y
+
+        return [ref.blocks[1].attn.register_forward_hook(hook)]
+
+    with warnings.catch_warnings():  # zeroing a slice cuts nothing: the other heads keep their gradients
+        warnings.simplefilter("error", HookWarning)
+        same_as_hand(model, ids, spec, install)
+
+
 def test_select_rows_of_a_gradient_before_the_step():
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)), torch.randn(3, 4)

@@ -234,8 +234,8 @@ class SpecBinding:
                 f"expected shape {tuple(part.shape)}, {part.dtype}, {part.device}; got shape {tuple(y.shape)}, "
                 f"{y.dtype}, {y.device}. A hook must keep shape, dtype and device.",
                 spec=self.spec.name, field="transform")
-        if part.requires_grad and not y.requires_grad and torch.is_grad_enabled():
-            self.cut_graph(site)
+        if sel is None and part.requires_grad and not y.requires_grad and torch.is_grad_enabled():
+            self.cut_graph(site)  # (a slice put back into x leaves the rest of x in the graph: nothing is cut)
         if self.clock.measuring and not self.probe:
             self.measure(part, y)
         return y if sel is None else sel.put(x, y)
