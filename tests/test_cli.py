@@ -25,6 +25,7 @@ def test_main_job_trains_and_writes_its_files(clamp_run):
     assert summary["status"] == "finished"
     assert summary["val/acc"] > 0.85
     assert summary["trainer/steps"] == 230 and summary["trainer/epochs"] == 10
+    assert "hooks:\n  clamp_conv: output_grad clamp on conv1, conv2\n" in (clamp_run / "cli.log").read_text()
     assert summary["hook/clamp_conv/calls"] == 2 * 230  # conv1 and conv2, every step
 
     rows = read_jsonl(clamp_run / "metrics.jsonl")

@@ -48,11 +48,7 @@ class ValidationReport:
         for col in ("spec", "kind", "transform", "targets", "calls/step", "warnings"):
             table.add_column(col, overflow="fold")
         for r in self.rows:
-            targets = ", ".join(r["targets"]) if len(r["targets"]) <= 6 else (
-                ", ".join(r["targets"][:5]) + f", ... ({len(r['targets'])} in all)")
-            if r.get("alias"):
-                targets = f"{r['alias']}: {targets}"
-            table.add_row(r["spec"], r["kind"], r["transform"], targets or "-",
+            table.add_row(r["spec"], r["kind"], r["transform"], targets_text(r),
                           str(r["calls_per_step"]), "; ".join(r["warnings"]) or "-")
         console = Console(width=140, record=True, force_terminal=False)
         with console.capture() as cap:
@@ -62,6 +58,19 @@ class ValidationReport:
             console.print("OK: every hook fired and kept its tensors' shape, dtype and device." if self.ok
                           else f"{len(self.errors)} error(s): fix them before training.")
         return cap.get()
+
+
+def targets_text(row: Mapping[str, Any]) -> str:
+    """A hooks-table row's targets in one short line (what an @alias became first)."""
+    names = row["targets"]
+    text = ", ".join(names) if len(names) <= 6 else ", ".join(names[:5]) + f", ... ({len(names)} in all)"
+    return (f"{row['alias']}: {text}" if row.get("alias") else text) or "-"
+
+
+def hooks_summary(rows: list[Mapping[str, Any]]) -> str:
+    """The hooks table as a few lines for a run's log: spec, kind, transform, targets."""
+    return "\n".join(f"  {r['spec']}: {r['kind']} {r['transform']} on {targets_text(r)}"
+                     + ("" if r["enabled"] else " (disabled)") for r in rows)
 
 
 def _first_tensor(output: Any) -> torch.Tensor:

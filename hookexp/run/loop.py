@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from hookexp.engine import HookHandle, attach, validate
+from hookexp.engine.validate import hooks_summary
 from hookexp.errors import ConfigError, HookCheckError
 from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
@@ -95,6 +96,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
                        records=records)
             loop = ckpt.restore(resumed) if resumed is not None else LoopState()
             sinks = make_sinks(cfg, run_dir, hooks, local, resumed, parts)
+            if main and hooks.table():
+                log.info("hooks:\n%s", hooks_summary(hooks.table()))
         except BaseException:
             hooks.remove()
             if telemetry is not None:
