@@ -16,7 +16,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -286,9 +285,8 @@ class WandbSink:
         if mode == "online":
             base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
             if not _answers(base_url, timeout):  # never start an online run that would hang init and the exit
-                warnings.warn(f"the W&B server {base_url} did not answer within logger.init_timeout={timeout:g} s; "
-                              f"logging offline under {run_dir}/wandb instead. Upload later with `wandb sync`.",
-                              RuntimeWarning, stacklevel=2)
+                log.warning("the W&B server %s did not answer within logger.init_timeout=%g s; logging offline under "
+                            "%s/wandb instead. Upload later with `wandb sync`.", base_url, timeout, run_dir)
                 mode = "offline"
                 # W&B's own telemetry exporter would wait on the same server at exit (~10 s with wandb 0.31)
                 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
@@ -298,8 +296,8 @@ class WandbSink:
         except Exception as e:
             if mode != "online":
                 raise
-            warnings.warn(f"W&B online init failed ({type(e).__name__}: {e}); logging offline under {run_dir}/wandb "
-                          "instead. Upload later with `wandb sync`.", RuntimeWarning, stacklevel=2)
+            log.warning("W&B online init failed (%s: %s); logging offline under %s/wandb instead. Upload later with "
+                        "`wandb sync`.", type(e).__name__, e, run_dir)
             self.run = wandb.init(mode="offline", **kwargs)
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
@@ -329,9 +327,8 @@ class WandbSink:
     def _check(self) -> None:
         if self._error is not None and not getattr(self, "_warned", False):
             self._warned = True
-            warnings.warn(f"W&B logging failed ({type(self._error).__name__}: {self._error}); the run continues "
-                          "and the local files (metrics.jsonl, histograms.jsonl) hold every value.", RuntimeWarning,
-                          stacklevel=3)
+            log.warning("W&B logging failed (%s: %s); the run continues and the local files (metrics.jsonl, "
+                        "histograms.jsonl) hold every value.", type(self._error).__name__, self._error)
 
     def log(self, metrics: Mapping[str, Any], step: int, histograms: Histograms | None = None) -> None:
         row = {STEP_KEY: step, **metrics}

@@ -200,10 +200,15 @@ def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes
                    workdir, env=env)
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "did not answer within logger.init_timeout=2 s; logging offline under" in done.stderr
+    assert "did not answer within logger.init_timeout=2 s; logging offline under" in done.stdout  # the run's log
     run = wandb_summary(workdir / "run")
     assert run["state"] == "finished" and run["summary"]["trainer/steps"] == 3
-    assert elapsed < 30, elapsed
+    started = time.monotonic()
+    offline = run_cli(["trainer.max_steps=3", "hydra.run.dir=offline"], workdir)
+    baseline = time.monotonic() - started
+    assert offline.returncode == 0
+    # the wait is bounded by init_timeout (2 s), not W&B's own retries (~40 s with init_timeout=5 before the fix)
+    assert elapsed - baseline < 2 + 10, (elapsed, baseline)
 
 
 def test_unknown_wandb_mode_is_refused(workdir):
