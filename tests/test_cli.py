@@ -273,3 +273,17 @@ def test_a_batch_the_model_cannot_take_names_the_data_and_the_fix(workdir):
     assert last.startswith("hookexp: error: data.dataset: the model cannot take a training batch: "), last
     assert "forward() missing 1 required positional argument" in last and "keys ['features', 'labels']" in last
     assert "Traceback" not in done.stderr
+
+
+def test_a_type_error_inside_the_model_is_not_blamed_on_the_batch(workdir):
+    """Only the model's own forward refusing the batch is explained; a bug inside the model keeps its traceback."""
+    (workdir / "buggy.py").write_text(
+        "import torch\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self, **kwargs):\n        super().__init__()\n        self.fc = torch.nn.Linear(64, 10)\n\n"
+        "    def forward(self, x):\n        return self.fc(x.flatten(1), x)  # a bug: Linear takes one input\n")
+    done = run_cli(["model._target_=buggy.Net", "hydra.run.dir=run", "logger=none"], workdir,
+                   env={"PYTHONPATH": str(workdir)})
+    assert done.returncode != 0
+    assert "Linear.forward() takes 2 positional arguments but 3 were given" in done.stderr
+    assert "the model cannot take a training batch" not in done.stderr

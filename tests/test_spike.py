@@ -61,11 +61,24 @@ def test_the_recorder_compares_with_the_median_of_its_window():
     assert rec.observe({"m": float("nan")}, 7) is None and list(rec.history) == [5.0, 1.2, 2.3]
 
 
+@pytest.mark.parametrize(("metric", "fix"), [
+    ("train/los", "Did you mean 'train/loss'"),
+    ("hook/rec/calls", "Use one of: train/loss, train/acc, grad/global_norm"),  # counted per rank: ranks would differ
+])
+def test_a_metric_the_run_does_not_log_alike_on_every_rank_is_refused(tmp_path: Path, metric: str, fix: str):
+    with pytest.raises(ConfigError, match=rf"^guard\.spike\.metric: '{metric}' is not a metric every log step .*{fix}"):
+        train(config(*SPIKE, f"guard.spike.metric={metric}", "trainer.max_steps=2"), tmp_path)
+    with pytest.raises(ConfigError, match=r"^guard\.spike\.metric: 'grad/global_norm' is not a metric"):
+        train(config(*SPIKE, "guard.spike.metric=grad/global_norm", "stats.grads=null", "trainer.max_steps=2"),
+              tmp_path / "nograds")
+
+
 def test_bad_spike_settings_name_their_key():
     with pytest.raises(ConfigError, match=r"^guard\.spike\.threshold: must be above 1"):
         SpikeRecorder.from_config({"metric": "m", "threshold": 0.5}, [], [])
-    with pytest.raises(ConfigError, match=r"^guard\.spike\.window: must be a whole number of at least 1"):
-        SpikeRecorder.from_config({"metric": "m", "window": 0}, [], [])
+    for window in (0, True):
+        with pytest.raises(ConfigError, match=r"^guard\.spike\.window: must be a whole number of at least 1"):
+            SpikeRecorder.from_config({"metric": "m", "window": window}, [], [])
     with pytest.raises(ConfigError, match=r"^guard\.spike\.record: 'recc' cannot be recorded on a spike: it is not a "
                                           r"hook spec of this run.*Did you mean 'rec'"):
         SpikeRecorder.from_config({"metric": "m", "record": ["recc"]}, ["rec"], ["rec", "clamp"])

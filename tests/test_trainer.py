@@ -238,8 +238,9 @@ def test_compiled_and_eager_runs_log_the_same_statistics_every_log_step(tmp_path
                                                           for s in ("mean", "std", "frac_zero")}
     grads = [k for k in rows_eager[0] if k.startswith("grad/") and k.endswith(("/norm", "/mean", "/max"))]
     assert len(grads) == 3 * 8
-    for key in grads + [k for k in rows_eager[0] if k.startswith("act/")]:
-        assert rows_compiled[0][key] == pytest.approx(rows_eager[0][key], rel=1e-5, abs=1e-7), key
+    for e, c in zip(rows_eager, rows_compiled, strict=True):  # the values of every log step, not only the first
+        for key in grads + [k for k in e if k.startswith("act/")]:
+            assert c[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (e["trainer/step"], key)
 
 
 def test_accumulating_two_half_batches_gives_the_gradient_of_the_whole_batch(tmp_path: Path):

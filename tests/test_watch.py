@@ -70,6 +70,13 @@ def watch_settings() -> dict:
             "group_by": r"re:^(conv|fc)\d", "hist_bins": 0}
 
 
+def callback_stats() -> dict:
+    """The same, as the callbacks take them: the keys of the trainer's stats config."""
+    stats = watch_settings()
+    stats["optimizer"] = stats.pop("optimizer_state")
+    return stats
+
+
 def test_watch_in_a_hand_loop_logs_what_the_trainer_logs(trainer_rows):
     parts, batches = the_same_model_and_batches()
     model, optimizer, task = parts.model, parts.optimizer, parts.task
@@ -113,9 +120,33 @@ def test_bad_watch_settings_are_refused_naming_them():
         hookexp.watch(model, opt, every=0)
     with pytest.raises(ConfigError, match=r"^watch\(log=\.\.\.\): expected a W&B run"):
         hookexp.watch(model, opt, log=42)
-    with pytest.raises(ConfigError, match=r"stats\.grads.*Did you mean 'weight'"):
+    with pytest.raises(ConfigError, match=r"^watch\(grads=\.\.\.\): target 'weigth' matches no parameter.*Did you "
+                                          r"mean 'weight'"):
         hookexp.watch(model, opt, grads="weigth")
+    with pytest.raises(ConfigError, match=r"^watch\(hist_bin=\.\.\.\): unknown setting\. Did you mean 'hist_bins'"):
+        hookexp.watch(model, opt, hist_bin=8)
+    with pytest.raises(ConfigError, match=r"^watch\(step=\.\.\.\): expected a whole number of optimizer steps"):
+        hookexp.watch(model, opt, step=-1)
     assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+    if has_module("lightning"):
+        from hookexp.integrations.lightning import HookexpCallback
+
+        with pytest.raises(ConfigError, match=r"^stats\.activation: unknown setting\. Did you mean 'activations'"):
+            HookexpCallback(stats={"activation": "relu*"})
+
+
+def test_a_watch_that_starts_at_step_k_counts_the_hook_schedules_from_k():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec = {"late": {"target": "weight", "kind": "pre_step", "transform": "zero", "start_step": 50}}
+    before = model.weight.detach().clone()
+    with hookexp.watch(model, opt, hooks=spec, step=100, every=10) as w:
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        assert torch.equal(model.weight.detach(), before) and w.hooks.step == 101  # zeroed: step 100 >= start_step
+        assert w.last["hook/late/calls"] == 1 and "grad/weight/norm" in w.last  # step 100 logs: 100 % 10 == 0
+        w.sync(205)  # the loop says where it is (a step GradScaler skipped, a resumed loop)
+        assert w.hooks.step == 205 and not w.probes.active
 
 
 @pytest.mark.skipif(not has_module("lightning"), reason="needs the extra .[lightning]")
@@ -157,8 +188,8 @@ def test_the_lightning_callback_logs_what_the_trainer_logs(trainer_rows, tmp_pat
             pass
 
     logger = Capture()
-    stats = {k: v for k, v in watch_settings().items() if k != "optimizer_state"} | {"optimizer": "*"}
-    trainer = pl.Trainer(max_steps=STEPS, logger=logger, callbacks=[HookexpCallback(hooks=hooks(), stats=stats)],
+    trainer = pl.Trainer(max_steps=STEPS, logger=logger,
+                         callbacks=[HookexpCallback(hooks=hooks(), stats=callback_stats())],
                          accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path))
     loader = torch.utils.data.DataLoader(batches, batch_size=None)
@@ -189,7 +220,7 @@ def test_the_hf_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path
             return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches], batch_size=None)
 
     got: dict[int, dict] = {}
-    callback = HookexpCallback(hooks=hooks(), stats=watch_settings(),
+    callback = HookexpCallback(hooks=hooks(), stats=callback_stats(),
                                log=lambda metrics, step: got.__setitem__(step, metrics))
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, max_grad_norm=0.0,
                                           lr_scheduler_type="constant", report_to=[], use_cpu=True,
@@ -197,5 +228,85 @@ def test_the_hf_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path
     trainer = Batches(model=Wrapper(), args=args, optimizers=(optimizer, None), callbacks=[callback])
     trainer.train()
     assert_same(got, trainer_rows)
-    assert [r["step"] for r in trainer.state.log_history if "grad/global_norm" in r] == [0, 2, 4, 6]
+    logged = [r for r in trainer.state.log_history if "grad/global_norm" in r]
+    assert [r["trainer/step"] for r in logged] == [0, 2, 4, 6] and [r["step"] for r in logged] == [1, 3, 5, 7]
     assert callback.watch is None and not optimizer._optimizer_step_post_hooks  # removed at the end
+
+
+@pytest.mark.skipif(not has_module("transformers") or not has_module("accelerate"), reason="needs the extra .[hf]")
+def test_under_the_hf_trainers_own_clip_the_statistics_describe_the_clipped_gradient(tmp_path: Path):
+    """Documented difference: the Trainer clips (max_grad_norm) before any callback or optimizer hook runs."""
+    import transformers
+
+    from hookexp.integrations.hf import HookexpCallback
+
+    parts, batches = the_same_model_and_batches()
+    net, task = parts.model, parts.task
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, labels):
+            return {"loss": task.loss(self.net(x), (x, labels))}
+
+    class Batches(transformers.Trainer):
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches], batch_size=None)
+
+    got: dict[int, dict] = {}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, max_grad_norm=0.05,
+                                          report_to=[], use_cpu=True, logging_strategy="no", save_strategy="no",
+                                          disable_tqdm=True)
+    callback = HookexpCallback(stats={"every": 1, "hist_bins": 0}, log=lambda m, s: got.__setitem__(s, m))
+    Batches(model=Wrapper(), args=args, optimizers=(parts.optimizer, None), callbacks=[callback]).train()
+    assert sorted(got) == [0, 1, 2]
+    assert all(row["grad/global_norm"] == pytest.approx(0.05, rel=1e-5) for row in got.values())
+
+
+@pytest.mark.skipif(not has_module("lightning"), reason="needs the extra .[lightning]")
+def test_a_resumed_lightning_fit_logs_from_its_global_step(tmp_path: Path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import Logger
+
+    from hookexp.integrations.lightning import HookexpCallback
+
+    parts, batches = the_same_model_and_batches()
+    net, task = parts.model, parts.task
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, i):
+            return task.loss(task.forward(self.net, batch), batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Capture(Logger):
+        name, version = "capture", 0
+
+        def __init__(self):
+            super().__init__()
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics, step=None):
+            if "trainer/step" in metrics:
+                self.steps.append(step)
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    common = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=str(tmp_path), enable_checkpointing=False)
+    first, again = Capture(), Capture()
+    trainer = pl.Trainer(max_steps=4, logger=first, callbacks=[HookexpCallback(stats={"every": 2})], **common)
+    trainer.fit(Module(), loader)
+    trainer.save_checkpoint(tmp_path / "at4.ckpt")
+    pl.Trainer(max_steps=8, logger=again, callbacks=[HookexpCallback(stats={"every": 2})], **common).fit(
+        Module(), loader, ckpt_path=tmp_path / "at4.ckpt")
+    assert first.steps == [0, 2] and again.steps == [4, 6]

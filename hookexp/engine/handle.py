@@ -184,7 +184,7 @@ class HookHandle:
         missing = [n for n in names if n not in known]
         if missing:
             raise ConfigError(f"no hook spec named {missing[0]!r}; the specs are: {', '.join(known) or 'none'}.",
-                              key="pause")
+                              key="HookHandle.pause(names)")
         for n in names:
             known[n].paused = paused
             known[n].refresh()

@@ -11,8 +11,14 @@ At ``on_train_begin`` it attaches the specs and the probes (:class:`hookexp.Watc
 optimizer the Trainer made (unwrapped from accelerate's wrapper); at ``on_train_end`` it removes them (and a
 second ``train()`` after a failed one attaches them once, not twice). Every ``stats.every``-th optimizer step
 its metrics go to ``log`` when given (a callable ``log(metrics, step)`` or a W&B run), else to the W&B run the
-Trainer's ``report_to="wandb"`` started, and their scalars always to ``state.log_history`` (the Trainer's own
-record, saved in ``trainer_state.json``), with ``step`` the 0-based index of the optimizer step described.
+Trainer's ``report_to="wandb"`` started, with ``step`` the 0-based index of the optimizer step described
+(counted by the Trainer's ``global_step``); their scalars also go to ``state.log_history`` (the Trainer's own
+record, saved in ``trainer_state.json``) under the Trainer's own ``step``, the 1-based ``global_step``.
+
+One difference from the hookexp trainer: the Trainer clips the gradients (``max_grad_norm``, default 1.0)
+before any callback or optimizer hook runs, so ``grad/*`` describe the clipped gradients and ``pre_step``
+specs see them (the Trainer logs the norm before its clip as ``grad_norm``). Set ``max_grad_norm=0`` and clip
+with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order.
 """
 
 from __future__ import annotations
@@ -40,9 +46,13 @@ class HookexpCallback(TrainerCallback):
         self.watch = Watch(model, inner, hooks=self.hooks, log=lambda metrics, step: self._log(state, metrics, step),
                            step=state.global_step, **self.stats)
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.watch is not None:
+            self.watch.sync(state.global_step)  # e.g. after a step fp16's GradScaler skipped
+
     def _log(self, state: Any, metrics: dict[str, Any], step: int) -> None:
         scalars, _ = split_histograms(metrics)
-        state.log_history.append({**scalars, "step": step})
+        state.log_history.append({**scalars, "trainer/step": step, "step": step + 1})
         log = self.log
         if log is None:
             import wandb

@@ -7,10 +7,14 @@
         hooks={"clamp": {"target": "conv", "kind": "output_grad", "transform": "clamp", "args": {"min": 0.0}}},
         stats={"every": 10, "activations": "relu*", "hist_bins": 32})])
 
-At ``fit`` start it attaches the specs and the probes (:class:`hookexp.Watch`) to the LightningModule and its
-(first) optimizer; at the end, or on an exception, it removes them. Every ``stats.every``-th optimizer step its
-metrics go to every logger of the trainer (``logger.log_metrics``; a ``WandbLogger`` also gets the histograms),
-with ``step`` the 0-based index of the optimizer step described. A resumed fit goes on from ``global_step``.
+When training starts (after a resumed fit has restored ``global_step``) it attaches the specs and the probes
+(:class:`hookexp.Watch`) to the LightningModule and its first optimizer; at the end, or on an exception, it
+removes them. Every ``stats.every``-th optimizer step its metrics go to every logger of the trainer
+(``logger.log_metrics``; a ``WandbLogger`` gets one row with the histograms too), with ``step`` the 0-based
+index of the optimizer step described, counted by Lightning's ``global_step``. Lightning's
+``optimizer.step(closure)`` runs the backward inside the closure, after torch's step pre-hooks, so the
+``pre_step`` specs and the gradient probes run from ``on_before_optimizer_step`` instead, on the final
+gradients (before Lightning's gradient clipping), for the watched optimizer only.
 """
 
 from __future__ import annotations
@@ -29,29 +33,34 @@ class HookexpCallback(Callback):
         self.hooks = hooks
         self.stats = settings_from(stats)
         self.watch: Watch | None = None
+        self._optimizer: Any = None
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._remove()
         optimizer = trainer.optimizers[0]
-        self.watch = Watch(pl_module, getattr(optimizer, "optimizer", optimizer), hooks=self.hooks,
+        self._optimizer = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+        self.watch = Watch(pl_module, self._optimizer, hooks=self.hooks,
                            log=lambda metrics, step: self._log(trainer, metrics, step), step=trainer.global_step,
                            before_hook=False, **self.stats)
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        """Lightning's optimizer.step(closure) runs the backward inside the closure, after torch's step pre-hooks:
-        the pre_step specs and the gradient probes run here instead, on the final gradients (before clipping)."""
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.watch is not None:
+            self.watch.sync(trainer.global_step)  # e.g. after a step fp16's GradScaler skipped
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.watch is not None and getattr(optimizer, "optimizer", optimizer) is self._optimizer:
             self.watch.before_step()
 
     @staticmethod
     def _log(trainer: Any, metrics: dict[str, Any], step: int) -> None:
-        scalars, hists = split_histograms(metrics)
+        scalars, _ = split_histograms(metrics)
         for logger in trainer.loggers:
-            logger.log_metrics({"trainer/step": step, **scalars}, step=step)
-            if hists and type(logger).__name__ == "WandbLogger":
-                as_logger(logger.experiment)({"trainer/step": step, **hists}, step)  # type: ignore[misc]
+            if type(logger).__name__ == "WandbLogger":
+                as_logger(logger.experiment)(metrics, step)  # type: ignore[misc]  # one row, histograms too
+            else:
+                logger.log_metrics({"trainer/step": step, **scalars}, step=step)
 
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._remove()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

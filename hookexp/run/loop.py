@@ -128,8 +128,8 @@ def preflight(parts: Parts) -> None:
         batch = to_device(batch, parts.device)
         try:
             output = parts.task.forward(parts.model, batch)
-        except TypeError as e:  # the model's forward cannot take what the batch gives it
-            if "forward()" not in str(e):
+        except TypeError as e:  # the model's own forward cannot take what the batch gives it (not one inside it)
+            if f"{getattr(type(parts.model).forward, '__qualname__', '?')}()" not in str(e):
                 raise
             given = (f"a mapping with keys {sorted(batch)}" if isinstance(batch, Mapping) else
                      f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else

@@ -33,7 +33,6 @@ class Telemetry:
                               key="trainer.clip_grad_norm")
         self.every = stats.every
         self.hooks = hooks
-        self._device = device
         self.meter = TrainMeter(task, device, ranks)
         # after the hooks' own optimizer pre-hook: the probes see the gradient after the pre_step specs; the clip
         # (registered below) comes last
@@ -47,9 +46,12 @@ class Telemetry:
                                     check_grads=not grads_scaled, agree=agree)
         rows = hooks.table()
         spike = guard.get("spike")
+        watchable = [*self.meter.keys(), *(["grad/global_norm"] if self.probes.grads else []),
+                     *(["grad/pre_clip_norm"] if clip_grad_norm is not None else [])]
         self.spike = SpikeRecorder.from_config(
             OmegaConf.to_container(spike, resolve=True) if isinstance(spike, DictConfig) else spike,
-            [r["spec"] for r in rows if r["transform"] == "record" and r["enabled"]], [r["spec"] for r in rows])
+            [r["spec"] for r in rows if r["transform"] == "record" and r["enabled"]], [r["spec"] for r in rows],
+            watchable)
         if self.spike.record:
             hooks.pause(self.spike.record)  # until a spike
         self.logging = False

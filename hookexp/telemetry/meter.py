@@ -42,6 +42,10 @@ class TrainMeter:
             totals = self.ranks.sum(totals)
         return totals, self.decode
 
+    def keys(self) -> list[str]:
+        """The ``train/<metric>`` keys a log step gives."""
+        return list(self.decode([1.0] * (len(self.names) + 1)))
+
     def decode(self, values: Any) -> dict[str, float]:
         *sums, count = (float(v) for v in values)
         means = {n: s / count if count else float("nan") for n, s in zip(self.names, sums, strict=True)}

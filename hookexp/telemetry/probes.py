@@ -17,10 +17,13 @@ while it is on they keep what the log step describes:
   the matched text (``re:^blocks\\.\\d+`` gives ``blocks.0``, ``blocks.1``, ...), and each group also gets
   the norm of its members' gradients, weights and updates together.
 
-:meth:`Probes.pending` describes everything kept in ONE :class:`~hookexp.telemetry.stats.TensorStats`
-call: one collective a log step under DDP/FSDP (activations are each rank's part of the batch; FSDP's
-sharded parameters, gradients and optimizer states are combined from their shards), nothing read back
-(:func:`~hookexp.telemetry.readback.read` does that, with the other producers' values).
+:meth:`Probes.pending` describes the gradients and activations in ONE
+:class:`~hookexp.telemetry.stats.TensorStats` call (one all-gather a log step under DDP/FSDP: activations
+are each rank's part of the batch, FSDP's gradients are combined from their shards) and takes the norms of
+the weights, updates and optimizer states, which need nothing more, with one ``torch._foreach_norm``
+(:func:`~hookexp.telemetry.stats.norms`: no float64 copy of six model-sized tensors; one all-reduce under
+FSDP). Nothing is read back: :func:`~hookexp.telemetry.readback.read` does that, with the other producers'
+values.
 Keys: ``grad/<param>/<stat>``, ``grad/global_norm``, ``act/<module>/{mean,std,frac_zero}``,
 ``param/<param>/norm``, ``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``,
 ``{grad,param,update}/group/<group>/norm``, and ``grad/<param>/hist`` / ``act/<module>/hist``.
@@ -41,10 +44,17 @@ from torch import nn
 from hookexp.engine import attach, match
 from hookexp.errors import ConfigError
 from hookexp.telemetry.readback import Pending
-from hookexp.telemetry.stats import STATS, TensorStats
+from hookexp.telemetry.stats import STATS, TensorStats, norms
 
 ACT_STATS = ("mean", "std", "frac_zero")
-_NORM_ONLY = ("param", "update", "opt", "weight")  # families described by their norm alone
+
+
+_TRAINER_KEYS = {"optimizer_state": "stats.optimizer", "optimizer": "Probes(optimizer=...)"}
+
+
+def trainer_key(setting: str) -> str:
+    """The trainer's config key of a :class:`Probes` setting (errors name it)."""
+    return _TRAINER_KEYS.get(setting, f"stats.{setting}")
 
 
 def _params(model: nn.Module, pattern: str | None, key: str, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:
@@ -53,17 +63,17 @@ def _params(model: nn.Module, pattern: str | None, key: str, trainable: bool = T
     return [(n, p) for n, p in match(model, pattern, on="parameter", key=key) if p.requires_grad or not trainable]
 
 
-def _grouper(pattern: str | None) -> Callable[[str], str | None]:
+def _grouper(pattern: str | None, key: str) -> Callable[[str], str | None]:
     """``stats.group_by``: the group of a parameter name (None: in no group)."""
     if not pattern:
         return lambda name: None
     if not isinstance(pattern, str) or not pattern.startswith("re:"):
         raise ConfigError(f"expected a 're:' regular expression matched from the start of each parameter name, "
-                          f"e.g. 're:^blocks\\.\\d+' (one group per block), got {pattern!r}.", key="stats.group_by")
+                          f"e.g. 're:^blocks\\.\\d+' (one group per block), got {pattern!r}.", key=key)
     try:
         rx = re.compile(pattern[3:])
     except re.error as e:
-        raise ConfigError(f"{pattern!r} is not a valid regular expression ({e}).", key="stats.group_by") from None
+        raise ConfigError(f"{pattern!r} is not a valid regular expression ({e}).", key=key) from None
 
     def group(name: str) -> str | None:
         m = rx.match(name)
@@ -74,20 +84,22 @@ def _grouper(pattern: str | None) -> Callable[[str], str | None]:
 class Probes:
     """The statistics probes of one model and optimizer; see the module docstring. ``activations_sharded``:
     whether activations are one rank's part of a batch spread over the default process group (DDP/FSDP; by
-    default: whenever torch.distributed is initialized with several ranks)."""
+    default: whenever torch.distributed is initialized with several ranks). ``key`` names a setting in errors
+    (the trainer's ``stats.*`` keys by default; ``watch`` names its own arguments)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, grads: str | None = "*",
                  activations: str | None = None, params: str | None = None, updates: str | None = None,
                  optimizer_state: str | None = None, group_by: str | None = None, hist_bins: int = 0,
-                 hist_sample: int | None = 4096, activations_sharded: bool | None = None, before_hook: bool = True):
-        self.grads = _params(model, grads, "stats.grads")
-        self.params = _params(model, params, "stats.params", trainable=False)
-        self.updates = _params(model, updates, "stats.updates")
-        self.opt_params = _params(model, optimizer_state, "stats.optimizer")
+                 hist_sample: int | None = 4096, activations_sharded: bool | None = None, before_hook: bool = True,
+                 key: Callable[[str], str] = trainer_key):
+        self.grads = _params(model, grads, key("grads"))
+        self.params = _params(model, params, key("params"), trainable=False)
+        self.updates = _params(model, updates, key("updates"))
+        self.opt_params = _params(model, optimizer_state, key("optimizer_state"))
         if optimizer is None and (self.grads or self.updates or self.opt_params):
             raise ConfigError("gradient, update and optimizer statistics are taken around optimizer.step(): pass "
-                              "the optimizer.", key="stats")
-        self._group = _grouper(group_by)
+                              "the optimizer.", key=key("optimizer"))
+        self._group = _grouper(group_by, key("group_by"))
         self.describer = TensorStats(STATS, hist_bins, hist_sample)
         if activations_sharded is None:
             activations_sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -98,7 +110,7 @@ class Probes:
         self._handles: list[Any] = []
         self._acts = None
         if activations:
-            match(model, activations, on="module", key="stats.activations")  # a bad pattern names its key
+            match(model, activations, on="module", key=key("activations"))  # a bad pattern names its key
             self._acts = attach(model, {"stats.activations": {"target": activations, "kind": "forward",
                                                               "transform": self._keep_activation, "phase": "train"}},
                                 measure=False, probe=True)
@@ -155,11 +167,19 @@ class Probes:
     def pending(self) -> Pending:
         """What this log step kept, described (no host sync) with the decoder of its host copy; starts over."""
         kept, self._kept = self._kept, {}
-        if not kept:
+        full = {k: t for k, t in kept.items() if k.startswith(("grad/", "act/"))}
+        sharded = [k for k in full if k.startswith("act/")] if self._acts_sharded else ()
+        described, describe = self.describer.describe(full, sharded=sharded) if full else (None, None)
+        normed, norm = norms({k: t for k, t in kept.items() if k not in full})
+        parts = [t for t in (described, normed) if t is not None]
+        if not parts:
             return None, lambda host: {}
-        sharded = [k for k in kept if k.startswith("act/")] if self._acts_sharded else ()
-        values, decode = self.describer.describe(kept, sharded=sharded)
-        return values, lambda host: self._metrics(decode(host))
+        cut = 0 if described is None else described.numel()
+
+        def decode(host: np.ndarray) -> dict[str, Any]:
+            raw = describe(host[:cut]) if describe is not None else {}
+            return self._metrics({**raw, **norm(host[cut:])})
+        return torch.cat([t.reshape(-1).to(parts[0].dtype) for t in parts]), decode
 
     def _metrics(self, raw: dict[str, Any]) -> dict[str, Any]:
         """The describer's ``<key>/<stat>`` values as the documented metric keys."""
@@ -168,17 +188,14 @@ class Probes:
         for key, value in raw.items():
             family, rest = key.split("/", 1)
             tensor, stat = rest.rsplit("/", 1)
-            if family in _NORM_ONLY:
-                if stat != "norm":
-                    continue
-                if family == "opt":
-                    name, state = tensor.rsplit("/", 1)
-                    out[f"opt/{name}/{state}_norm"] = value
-                    continue
+            if family == "opt":
+                name, state = tensor.rsplit("/", 1)
+                out[f"opt/{name}/{state}_norm"] = value
+            elif family in norms and family != "grad":  # param, update, weight: their norm alone
                 norms[family][tensor] = value
-                if family != "weight":
+                if family != "weight":  # (the weights before the update: for update/<name>/ratio only)
                     out[key] = value
-            elif family == "act" and stat not in ACT_STATS and stat != "hist":
+            elif family == "act" and stat not in (*ACT_STATS, "hist"):
                 continue
             else:
                 out[key] = value

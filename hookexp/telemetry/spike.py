@@ -47,14 +47,21 @@ class SpikeRecorder:
     found: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None, record_specs: list[str], specs: list[str]) -> SpikeRecorder:
-        """``guard.spike``; ``record_specs``: the specs whose transform is ``record``, ``specs``: every spec."""
+    def from_config(cls, cfg: Mapping[str, Any] | None, record_specs: list[str], specs: list[str],
+                    metrics: list[str] | None = None) -> SpikeRecorder:
+        """``guard.spike``; ``record_specs``: the specs whose transform is ``record``, ``specs``: every spec;
+        ``metrics``: what the metric may be (logged on every log step with the same value on every rank, so that
+        all ranks see the same spikes; None: anything)."""
         cfg = dict(cfg or {})
         rec = cls(metric=cfg.get("metric"), window=cfg.get("window", 20), threshold=cfg.get("threshold", 3.0),
                   steps=cfg.get("steps", 10), min_value=cfg.get("min_value", 0.0),
                   record=tuple(cfg.get("record") or ()), checkpoint=cfg.get("checkpoint", True))
+        if rec.metric is not None and metrics is not None and rec.metric not in metrics:
+            raise ConfigError(f"{rec.metric!r} is not a metric every log step of this run gives alike on every rank."
+                              f"{did_you_mean(rec.metric, metrics)} Use one of: {', '.join(metrics)}.",
+                              key="guard.spike.metric")
         for key, value, least in (("window", rec.window, 1), ("steps", rec.steps, 1)):
-            if not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.",
                                   key=f"guard.spike.{key}")
         if not rec.threshold > 1:

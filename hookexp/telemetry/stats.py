@@ -118,6 +118,27 @@ class TensorStats:
         return values, lambda host: _decode(host, layout, self.stats, self.hist_bins)
 
 
+@torch.no_grad()
+def norms(tensors: Mapping[str, torch.Tensor], group: Any = None) -> Pending:
+    """``(values, decode)`` of each tensor's L2 norm alone (``<key>/norm``; empty tensors have none), for what needs
+    no more (weights, updates, optimizer state): one ``torch._foreach_norm`` of the local tensors, no copy of them.
+    DTensors' squared norms are summed over the ranks in ONE ``all_reduce`` (a replica counted on its first rank);
+    none when nothing is sharded. Computed in the tensors' own dtype (float32: to about 1e-7 relative)."""
+    tensors = {k: t for k, t in tensors.items() if t.numel()}
+    if not tensors:
+        return None, _nothing
+    ranks = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if ranks > 1 else 0
+    parts = [_placed(k, t, False, rank) for k, t in tensors.items()]
+    local = [t for t, _, _ in parts]
+    squares = torch.stack(torch._foreach_norm(local)).to(wide_dtype(local[0].device)).square()
+    if ranks > 1 and any(spread for _, spread, _ in parts):
+        squares = squares * torch.tensor([own for _, _, own in parts], device=squares.device)
+        dist.all_reduce(squares, group=group)
+    keys = [f"{k}/norm" for k in tensors]
+    return squares, lambda host: dict(zip(keys, np.sqrt(np.asarray(host, dtype=np.float64)).tolist(), strict=True))
+
+
 def _placed(key: str, t: torch.Tensor, sharded: bool, rank: int) -> tuple[torch.Tensor, bool, bool]:
     """(local tensor, whether it is one part of a tensor spread over ranks, whether this rank counts it
     when the ranks' partials are combined)."""

@@ -14,8 +14,11 @@ weights, updates, optimizer state, group norms, histograms), and optionally hook
 measured on the same steps. Everything runs from optimizer hooks: after ``optimizer.step()`` of a log step
 the probes' values are read back in one copy and handed to ``log(metrics, step)``, ``step`` being the
 0-based index of the optimizer step they describe (``trainer/step``); then the next step's probes are
-switched on or off. A W&B run (anything with ``.log``) gets the scalars, ``trainer/step`` and the
-histograms as ``wandb.Histogram``; a callable gets one dict whose ``.../hist`` keys hold ``(counts, edges)``.
+switched on or off. ``step`` counts the ``optimizer.step()`` calls that ran: one that fp16's GradScaler
+skips runs no optimizer hook and is not counted, unless the loop says where it is with :meth:`Watch.sync`
+(the callbacks do, from the loop's ``global_step``). A W&B run (anything with ``.log``) gets the scalars,
+``trainer/step`` and the histograms as ``wandb.Histogram``; a callable gets one dict whose ``.../hist`` keys
+hold ``(counts, edges)``.
 Under DDP/FSDP every rank must watch (activations and sharded tensors are combined over the ranks);
 give ``log`` on rank 0 only, or let it check the rank.
 """
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookexp.errors import ConfigError
+from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.probes import Probes, hook_effects
 from hookexp.telemetry.readback import Pending, read, split_histograms
 
@@ -61,9 +64,10 @@ class Watch:
                  updates: str | None = None, optimizer_state: str | None = None, group_by: str | None = None,
                  hist_bins: int = 64, hist_sample: int | None = 4096, hooks: Any = None, log: Any = None,
                  step: int = 0, before_hook: bool = True):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"expected a whole number of optimizer steps, at least 1, got {every!r}.",
-                              key="watch(every=...)")
+        for name, value in (("every", every), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "every"):
+                raise ConfigError(f"expected a whole number of optimizer steps, at least {int(name == 'every')}, got "
+                                  f"{value!r}.", key=f"watch({name}=...)")
         self.every, self.step = every, step
         self._log = as_logger(log)
         self.last: dict[str, Any] = {}  # the metrics of the last log step
@@ -73,18 +77,29 @@ class Watch:
             from hookexp.engine import attach
 
             self.hooks = attach(model, hooks, optimizer, measure=False)
+            self.hooks.set_step(step)  # the specs' every/start_step/end_step count from the loop's step
             if not before_hook:
                 self.hooks.run_pre_step_by_hand()
         try:
             self.probes = Probes(model, optimizer, grads=grads, activations=activations, params=params,
                                  updates=updates, optimizer_state=optimizer_state, group_by=group_by,
-                                 hist_bins=hist_bins, hist_sample=hist_sample, before_hook=before_hook)
+                                 hist_bins=hist_bins, hist_sample=hist_sample, before_hook=before_hook,
+                                 key=lambda setting: f"watch({setting}=...)")
         except BaseException:
             if self.hooks is not None:
                 self.hooks.remove()
             raise
         self._handle = optimizer.register_step_post_hook(self._after_step)
         self._switch()
+
+    def sync(self, step: int) -> None:
+        """The loop's own count of optimizer steps (``global_step``), before the step's forward: a step fp16's
+        GradScaler skipped ran no optimizer hook, and a resumed loop starts past 0."""
+        if step != self.step:
+            self.step = step
+            if self.hooks is not None:
+                self.hooks.set_step(step)
+            self._switch()
 
     def _switch(self) -> None:
         on = self.step % self.every == 0
@@ -124,18 +139,35 @@ class Watch:
         self.remove()
 
 
+SETTINGS = ("every", "grads", "activations", "params", "updates", "optimizer_state", "group_by", "hist_bins",
+            "hist_sample", "hooks", "log", "step")
+
+
+def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Any) -> None:
+    for name in settings:
+        if name not in known:
+            raise ConfigError(f"unknown setting.{did_you_mean(name, known)} The settings are: {', '.join(known)}.",
+                              key=key(name))
+
+
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, grads: str | None = "*",
           activations: str | None = None, log: Any = None, **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
     docstring. ``settings``: params, updates, optimizer_state, group_by, hist_bins (64, as wandb.watch),
     hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step)."""
+    _check_settings(settings, SETTINGS, lambda name: f"watch({name}=...)")
     return Watch(model, optimizer, every=every, grads=grads, activations=activations, log=log, **settings)
 
 
+STATS_KEYS = ("every", "grads", "activations", "params", "updates", "optimizer", "group_by", "hist_bins",
+              "hist_sample")
+
+
 def settings_from(stats: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A ``stats`` mapping as the trainer's config writes it (``optimizer`` for the optimizer state) as
-    :class:`Watch` keywords."""
+    """A callback's ``stats`` mapping, with the keys of the trainer's ``stats`` config (``optimizer`` for the
+    optimizer state), as :class:`Watch` keywords; an unknown key is refused with a did-you-mean."""
     stats = dict(stats or {})
+    _check_settings(stats, STATS_KEYS, lambda name: f"stats.{name}")
     if "optimizer" in stats:
         stats["optimizer_state"] = stats.pop("optimizer")
     return stats
