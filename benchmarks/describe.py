@@ -6,9 +6,10 @@
 Every step runs forward, backward and ``optimizer.step()``; between backward and the step the gradients
 are described and read back (a log step every step), and only that is timed. Standalone, on a warm cache,
 the same call costs several times less: what a log step pays is the cold cache after a training step, so
-this is the number that compares with the trainer's. The variants run in alternating rounds in one
-process (the machine's speed drifts): ``telemetry`` (hookexp.telemetry.stats, the one torch path),
-``numba`` and ``torch_rows`` (hookexp.stats' two CPU paths, as long as they exist).
+this is the number that compares with the trainer's. One variant is left, ``telemetry``
+(hookexp.telemetry.stats, the one statistics path, in torch ops; ``variants`` is where another would go,
+to run in alternating rounds with it in one process). numba's kernels and the old torch rows
+(``hookexp.stats``, ``hookexp.fused``) that it was compared with are gone; their figures stay in README.md.
 """
 
 from __future__ import annotations
@@ -31,24 +32,7 @@ MODELS = {"small_cnn": lambda: SmallCNN(), "deep_mlp": lambda: MLP(depth=32, wid
 def variants(model: torch.nn.Module, bins: int, sample: int | None) -> dict[str, Callable[[], object]]:
     named = [(f"grad/{n}", p) for n, p in model.named_parameters()]
     describer = TensorStats(hist_bins=bins, hist_sample=sample)
-    out = {"telemetry": lambda: read([describer.describe({k: p.grad for k, p in named})])}
-    try:
-        from hookexp import fused
-        from hookexp.stats import StepStats
-    except ImportError:  # the old path is gone
-        return out
-
-    def old(numba: bool) -> Callable[[], object]:
-        stats = StepStats(model, "*", None, bins, sample)
-
-        def run() -> object:
-            fused.ENABLED = numba
-            stats.capture_grads()
-            result = stats.finish()
-            return result.metrics(), result.histograms()
-        return run
-    out["numba"], out["torch_rows"] = old(True), old(False)
-    return out
+    return {"telemetry": lambda: read([describer.describe({k: p.grad for k, p in named})])}
 
 
 def measure(name: str, bins: int, sample: int | None, steps: int, rounds: int) -> dict[str, float]:
@@ -59,7 +43,7 @@ def measure(name: str, bins: int, sample: int | None, steps: int, rounds: int) -
     x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
     runs = variants(model, bins, sample)
     times: dict[str, list[float]] = {k: [] for k in ("step", *runs)}
-    for r in range(rounds + 1):  # round 0: warm-up (numba's kernels, layouts)
+    for r in range(rounds + 1):  # round 0: warm-up (torch's lazy set-up, the allocator)
         for label, describe in runs.items():
             for _ in range(steps):
                 begin = time.perf_counter()
