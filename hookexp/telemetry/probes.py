@@ -47,6 +47,7 @@ from hookexp.telemetry.readback import Pending
 from hookexp.telemetry.stats import STATS, TensorStats, norms
 
 ACT_STATS = ("mean", "std", "frac_zero")
+_ACT_DROPPED = tuple(f"/{s}" for s in STATS if s not in ACT_STATS)  # what activations do not log
 
 
 _TRAINER_KEYS = {"optimizer_state": "stats.optimizer", "optimizer": "Probes(optimizer=...)"}
@@ -92,7 +93,7 @@ class Probes:
                  optimizer_state: str | None = None, group_by: str | None = None, hist_bins: int = 0,
                  hist_sample: int | None = 4096, activations_sharded: bool | None = None, before_hook: bool = True,
                  key: Callable[[str], str] = trainer_key):
-        self.grads = _params(model, grads, key("grads"))
+        self.grads = [(f"grad/{n}", p) for n, p in _params(model, grads, key("grads"))]  # (metric key, parameter)
         self.params = _params(model, params, key("params"), trainable=False)
         self.updates = _params(model, updates, key("updates"))
         self.opt_params = _params(model, optimizer_state, key("optimizer_state"))
@@ -104,7 +105,9 @@ class Probes:
         if activations_sharded is None:
             activations_sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._acts_sharded = activations_sharded
-        self._kept: dict[str, torch.Tensor] = {}
+        self._acts_kept: dict[str, torch.Tensor] = {}  # act/<module> -> a copy of its output, this log step
+        self._described: Pending | None = None  # gradients and activations, described right before the update
+        self._normed: dict[str, torch.Tensor] = {}  # param/, update/, weight/, opt/ tensors: norms only
         self._before: list[torch.Tensor] = []
         self._active = False
         self._handles: list[Any] = []
@@ -134,17 +137,24 @@ class Probes:
     # -- capture ----------------------------------------------------------------------------------------
     def _keep_activation(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         if ctx.index in (None, 0) and x.is_floating_point() and x.numel():
-            self._kept[f"act/{ctx.target}"] = x.detach().clone()  # a later in-place op must not change it
+            self._acts_kept[f"act/{ctx.target}"] = x.detach().clone()  # a later in-place op must not change it
         return x
+
+    def _describe(self, grads: dict[str, torch.Tensor]) -> None:
+        """Gradients and the activations kept so far, described at once (no copy of the gradients: the clip
+        after this works on them in place); nothing is read back."""
+        acts, self._acts_kept = self._acts_kept, {}
+        tensors = {**acts, **grads}
+        if tensors:
+            values, decode = self.describer.describe(tensors, sharded=list(acts) if self._acts_sharded else ())
+            self._described = (values, decode)
 
     @torch.no_grad()
     def before_step(self) -> None:
         """Right before the update, on final gradients (an optimizer step pre-hook calls it, or the loop)."""
         if not self._active:
             return
-        for name, p in self.grads:
-            if p.grad is not None and p.grad.numel():
-                self._kept[f"grad/{name}"] = p.grad.detach().clone()  # the clip after this works in place
+        self._describe({key: p.grad for key, p in self.grads if p.grad is not None and p.grad.numel()})
         self._before = [p.detach().clone() for _, p in self.updates]
 
     @torch.no_grad()
@@ -153,63 +163,57 @@ class Probes:
         if not self._active:
             return
         for (name, p), before in zip(self.updates, self._before, strict=True):
-            self._kept[f"update/{name}"] = p.detach() - before
-            self._kept[f"weight/{name}"] = before
+            self._normed[f"update/{name}"] = p.detach() - before
+            self._normed[f"weight/{name}"] = before
         self._before = []
         for name, p in self.params:
-            self._kept[f"param/{name}"] = p.detach()  # read in pending(), before the next update
+            self._normed[f"param/{name}"] = p.detach()  # its norm is taken in pending(), before the next update
         for name, p in self.opt_params:
             for state, value in self._optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.is_floating_point():
-                    self._kept[f"opt/{name}/{state}"] = value.detach()
+                    self._normed[f"opt/{name}/{state}"] = value.detach()
 
     # -- the log step -----------------------------------------------------------------------------------
     def pending(self) -> Pending:
         """What this log step kept, described (no host sync) with the decoder of its host copy; starts over."""
-        kept, self._kept = self._kept, {}
-        full = {k: t for k, t in kept.items() if k.startswith(("grad/", "act/"))}
-        sharded = [k for k in full if k.startswith("act/")] if self._acts_sharded else ()
-        described, describe = self.describer.describe(full, sharded=sharded) if full else (None, None)
-        normed, norm = norms({k: t for k, t in kept.items() if k not in full})
+        if self._described is None:  # activations alone (no optimizer step since they were kept)
+            self._describe({})
+        (described, describe), self._described = self._described or (None, None), None
+        normed, norm = norms(self._normed)
+        self._normed = {}
         parts = [t for t in (described, normed) if t is not None]
         if not parts:
             return None, lambda host: {}
         cut = 0 if described is None else described.numel()
 
         def decode(host: np.ndarray) -> dict[str, Any]:
-            raw = describe(host[:cut]) if describe is not None else {}
-            return self._metrics({**raw, **norm(host[cut:])})
+            return self._metrics(describe(host[:cut]) if describe is not None else {}, norm(host[cut:]))
         return torch.cat([t.reshape(-1).to(parts[0].dtype) for t in parts]), decode
 
-    def _metrics(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """The describer's ``<key>/<stat>`` values as the documented metric keys."""
-        out: dict[str, Any] = {}
-        norms: dict[str, dict[str, float]] = {"grad": {}, "param": {}, "update": {}, "weight": {}}
-        for key, value in raw.items():
+    def _metrics(self, out: dict[str, Any], normed: dict[str, float]) -> dict[str, Any]:
+        """The describer's ``<key>/<stat>`` values (``out``, completed in place) and the norms as the documented
+        metric keys: activations keep mean, std and fraction zero; the global and group norms are added."""
+        for key in [k for k in out if k.startswith("act/") and k.endswith(_ACT_DROPPED)]:
+            del out[key]
+        grad_norms = {key[5:]: out[f"{key}/norm"] for key, _ in self.grads if f"{key}/norm" in out}
+        found: dict[str, dict[str, float]] = {"grad": grad_norms, "param": {}, "update": {}, "weight": {}}
+        for key, value in normed.items():  # <family>/<name>/norm
             family, rest = key.split("/", 1)
-            tensor, stat = rest.rsplit("/", 1)
-            if family == "opt":
-                name, state = tensor.rsplit("/", 1)
-                out[f"opt/{name}/{state}_norm"] = value
-            elif family in norms and family != "grad":  # param, update, weight: their norm alone
-                norms[family][tensor] = value
+            if family == "opt":  # opt/<name>/<state>/norm -> opt/<name>/<state>_norm
+                out[f"opt/{rest.removesuffix('/norm')}_norm"] = value
+            else:
+                found[family][rest.removesuffix("/norm")] = value
                 if family != "weight":  # (the weights before the update: for update/<name>/ratio only)
                     out[key] = value
-            elif family == "act" and stat not in (*ACT_STATS, "hist"):
-                continue
-            else:
-                out[key] = value
-                if family == "grad" and stat == "norm":
-                    norms["grad"][tensor] = value
-        for name, weight in norms["weight"].items():
-            update = norms["update"].get(name)
+        for name, weight in found["weight"].items():
+            update = found["update"].get(name)
             if update is not None:
                 out[f"update/{name}/ratio"] = update / weight if weight else math.nan
-        if norms["grad"]:
-            out["grad/global_norm"] = _total(norms["grad"].values())
+        if grad_norms:
+            out["grad/global_norm"] = _total(grad_norms.values())
         for family in ("grad", "param", "update"):
             groups: dict[str, list[float]] = {}
-            for name, norm in norms[family].items():
+            for name, norm in found[family].items():
                 g = self._group(name)
                 if g is not None:
                     groups.setdefault(g, []).append(norm)
@@ -222,7 +226,9 @@ class Probes:
         self._handles.clear()
         if self._acts is not None:
             self._acts.remove()
-        self._kept.clear()
+        self._acts_kept.clear()
+        self._normed.clear()
+        self._described = None
         self._before = []
 
 
