@@ -9,7 +9,8 @@ a log step's extra time is the median log step less the median of the other step
 ``--every 2`` every other step logs, so ``log / other`` approximates case c's c/b without comparing two
 runs (the step after a log step, in the denominator, pays a little of the log step's cold cache too).
 The same is printed with statistics off (``stats.grads=null``, loss and accuracy still logged) as the
-floor that any log step costs.
+floor that any log step costs, and with the gradient statistics alone (``grads``: no activation probes, whose
+forward hooks stay on the modules between log steps).
 """
 
 from __future__ import annotations
@@ -21,31 +22,21 @@ from itertools import pairwise
 
 from overhead import MODELS, stats_all, trainer_loop  # this script's folder is on sys.path when it is run
 
-import hookexp.run.loop
+from hookexp.run.telemetry import Telemetry
 
 ENDS: list[float] = []  # perf_counter at the end of every step of the current run
+_end_step = Telemetry.end_step
 
 
-class StepClock:
-    """Stands in for the trainer's tqdm bar, which it updates once at the end of every step."""
-
-    disable = True
-
-    def __init__(self, *args, **kwargs) -> None:
-        ENDS.clear()
-
-    def update(self, n: int = 1) -> None:
-        ENDS.append(time.perf_counter())
-
-    def set_postfix(self, **kwargs) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def end_step_timed(self: Telemetry, step: int) -> None:
+    """The trainer's last call of every step (after the log step's read-back and the sinks), timed."""
+    _end_step(self, step)
+    ENDS.append(time.perf_counter())
 
 
 def run(overrides: list[str], steps: int, every: int, skip: int) -> tuple[float, float]:
     """Median ms of the log steps and of the other steps (the first ``skip`` steps left out)."""
+    ENDS.clear()
     trainer_loop(overrides, steps, [f"stats.every={every}"])
     times = [(b - a) * 1e3 for a, b in pairwise(ENDS)]  # times[i]: step i + 1
     log = [t for i, t in enumerate(times, 1) if i >= skip and i % every == 0 and i != steps - 1]
@@ -60,16 +51,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    hookexp.run.loop.tqdm = StepClock  # the trainer's one call per step, timed
+    Telemetry.end_step = end_step_timed  # the trainer's last call of every step, timed
     print(f"stats.every={args.every}, {args.steps} steps a run, median ms per step; extra = log step - other step")
     print("\n| model | statistics | run | other step | log step | extra | log / other |\n|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        model, activations = MODELS[name]
+        model, activations = list(MODELS[name].overrides), MODELS[name].activations
         variants = {
             "off": [*model, "stats.grads=null"],
+            "grads": [*model, *stats_all(activations), "stats.activations=null"],
             "all": [*model, *stats_all(activations)],
         }
-        run(variants["all"], 60, args.every, 10)  # warm-up: numba's kernels, torch's lazy set-up
+        run(variants["all"], 60, args.every, 10)  # warm-up: torch's lazy set-up, the allocator
         for r in range(args.runs):
             for label, overrides in variants.items():
                 log, other = run(overrides, args.steps, args.every, 20)

@@ -4,8 +4,10 @@
     .venv/bin/python benchmarks/memory.py --steps 2000
 
 Samples this process's RSS every 0.25 s while the trainer runs (hooks: clamp_conv and the
-dead-ReLU probe, every gradient statistic with histograms, ReLU activation statistics) and prints
-the RSS after the first 10% of the steps, at the end, and the growth in between.
+dead-ReLU probe; every statistic family every step: every gradient statistic with histograms, ReLU
+activation statistics with histograms, weight, update and optimizer-state norms, and group norms of
+the conv and fc layers) and prints the RSS after the first 10% of the steps, at the end, and the
+growth in between.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--logger", default="wandb", choices=["wandb", "none"])
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. stats.hist_bins=0")
     args = parser.parse_args()
+    os.environ.setdefault("WANDB_SILENT", "true")  # the W&B run's summary would bury the result
     samples: list[tuple[float, float]] = []
     done = threading.Event()
 
@@ -52,7 +55,8 @@ def main() -> None:
             "trainer.progress=false", f"trainer.max_steps={args.steps}", f"logger={args.logger}",
             "trainer.epochs=100000",
             "hooks=[clamp_conv,dead_relu_probe]", "stats.every=1", "stats.hist_bins=32",
-            "stats.activations=relu*", *args.overrides])
+            "stats.activations=relu*", "stats.params=*", "stats.updates=*", "stats.optimizer=*",
+            "stats.group_by='re:^[a-z]+'", *args.overrides])
     with tempfile.TemporaryDirectory() as tmp:
         thread = threading.Thread(target=sample, daemon=True)
         started = time.perf_counter()

@@ -1,30 +1,52 @@
 """Step-time overhead of hookexp, as ratios against a hand-written loop measured in the same process.
 
-    .venv/bin/python benchmarks/overhead.py                 # all models, 5 repeats
-    .venv/bin/python benchmarks/overhead.py --models small_cnn --repeats 3 --steps 60
-    .venv/bin/python benchmarks/overhead.py --models small_cnn --cases a,b,c,d   # a subset of the cases
+    .venv/bin/python benchmarks/overhead.py                 # every model, issue 19's cases, 3 repeats
+    .venv/bin/python benchmarks/overhead.py --models small_cnn --repeats 5 --steps 60
+    .venv/bin/python benchmarks/overhead.py --models gpt --cases a,b,d,a_wb,w,e   # a subset of the cases
+    .venv/bin/python benchmarks/overhead.py --cases all      # every case below
     python benchmarks/overhead.py --device cuda              # on a GPU machine
 
-Cases, interleaved in every repeat in a shuffled order (each case's time is the mean step time over ``--steps``):
-  a  hand-written minimal loop (same DataLoader, model, optimizer)
-  b  the hookexp trainer, no hooks, statistics off (local files; W&B's service process competes for
-     the 2 cores after wandb.init and would confound the comparison with the hand loop)
-  c  the trainer, statistics every step: every gradient statistic of every parameter with 32-bin
-     histograms, the global norm, and activation statistics (mean, std, fraction zero, 32-bin
-     histogram) of the model's activation layers (ReLUs; the transformer's encoder layers);
-     histograms count up to stats.hist_sample (default 4,096) elements per tensor
-  c_g   c without the activation statistics (what wandb.watch(log="gradients") describes, and more)
-  c_x   c with exact histograms (stats.hist_sample=null: every element counted)
-  d  the same statistics every 10 steps
-  c_wb  c with the W&B offline run as well (its logging runs on hookexp's worker thread)
-  e  the hand loop with wandb.watch(model, log="gradients", log_freq=1), offline, logging the loss
-  f  the same with log_freq=10
-  g  clamp every parameter's gradient: hookexp `grad` kind (g_grad), `pre_step` kind (g_pre), and a
-     hand-written per-parameter register_hook loop (g_hand), all in the hand loop
+Models (``--models``; steps per case, unless ``--steps`` gives one count for all):
+  small_cnn    the default small CNN on digits, SGD (300 steps)
+  deep_mlp     an MLP of 32 linear layers of 64 units with LayerNorm, AdamW (300 steps)
+  transformer  the small pre-norm encoder on digits (image rows as tokens), AdamW (200 steps)
+  gpt          causal LM: the package's GPT at d_model 256, 4 blocks, on this repository's README.md
+               (characters, windows of 128 tokens, batch 8), AdamW (60 steps)
+  hf_gpt2      causal LM: a transformers GPT-2 built from a config (n_embd 256, 4 layers, 4 heads, random
+               weights), same data and optimizer (60 steps; only when transformers imports)
+
+Cases, interleaved in every repeat in a shuffled order (each case's time is the mean step time over its steps).
+The default set is issue 19's (a, b, c, d0, d, d_all, a_wb, w, e); ``--cases all`` adds the rest:
+  a      hand-written minimal loop: the same data, model, optimizer and task loss (``task.forward`` and
+         ``task.loss``: cross-entropy, or the causal LM's next-token cross-entropy), built by hookexp's
+         ``build`` like the trainer's
+  b      the hookexp trainer, no hooks, statistics off (local files; W&B's service process competes for
+         the cores after wandb.init and would confound the comparison with the hand loop)
+  c      the trainer, statistics every step: every gradient statistic of every parameter with 32-bin
+         histograms, the global norm, and activation statistics (mean, std, fraction zero, 32-bin
+         histogram) of the model's activation layers (ReLUs; the encoder layers; the GPTs' MLPs);
+         histograms count up to stats.hist_sample (default 4,096) elements per tensor
+  d0     the shipped stats config (every gradient statistic of every parameter, no histograms, no activations)
+         every 10 steps (stats.every=10): what `python -m hookexp` does
+  d      c every 10 steps (stats.every=10, the default)
+  d_all  every statistic family every 10 steps: d plus weight norms (stats.params=*), update norms and
+         update/weight ratios (stats.updates=*), optimizer state norms (stats.optimizer=*) and, for the
+         models made of blocks, one norm per block (stats.group_by)
+  a_wb   the hand loop logging its loss to a W&B offline run every step: what w and e both pay besides
+  w      a_wb with hookexp.watch(model, opt, every=1, log=run, hist_bins=64): every gradient statistic
+         and a 64-bin histogram of every parameter, logged into the same run every step
+  e      a_wb with wandb.watch(model, log="gradients", log_freq=1) (64-bin histograms of every gradient)
+  c_g    c without the activation statistics            c_x  c with exact histograms (hist_sample=null)
+  c_wb   c with the W&B offline run as well              f    e with log_freq=10
+  g      clamp every parameter's gradient: hookexp `grad` kind (g_grad), `pre_step` kind (g_pre), and a
+         hand-written per-parameter register_hook loop (g_hand), all in the hand loop
+Comparisons with wandb.watch are of overheads, as issue 19 asks: w/a_wb - 1 and e/a_wb - 1, and their
+ratio "w/e ovh" (watch()'s overhead over wandb.watch's; target <= 0.5): in the first table the median
+w/a_wb - 1 over the median e/a_wb - 1, in the second (w - a_wb) / (e - a_wb) per repeat. A ratio of step
+times cannot beat wandb.watch by more than wandb.watch costs.
 Trainer times are its training-loop time (summary perf/train_loop_s: steps only, no build, no eval).
-Runs are long enough (--steps, default 300) that per-run costs (the first step's allocations, the
-first and last log) stay under 1% of a case. A warm-up pass of every case (--warmup-steps, discarded)
-first loads what a process loads once (numba's kernels, W&B, torch's own lazy set-up).
+A warm-up pass of every case (--warmup-steps, discarded) first loads what a process loads once (W&B,
+transformers, torch's own lazy set-up).
 
 Each ratio is the median over repeats of that repeat's own ratio (x and y measured minutes apart in the
 same repeat, so a machine that is slower for a while slows both), and the second table gives the lowest
@@ -34,27 +56,51 @@ and highest of those per-repeat ratios: how far one run of the benchmark can be 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra import compose, initialize_config_module
 
+import hookexp
 from hookexp import attach
-from hookexp.run.loop import build_run, train
+from hookexp.run.build import build, pick_device
+from hookexp.run.distributed import Dist
+from hookexp.run.loaders import to_device
+from hookexp.run.loop import train
 
-MODELS = {  # config overrides, and the activation layers that case c describes
-    "small_cnn": (["model=small_cnn"], "relu*"),
-    "deep_mlp": (["model=mlp", "model.depth=32", "model.width=64", "model.norm=layer", "optim=adamw"], "relu*"),
-    "transformer": (["model=transformer", "optim=adamw"], "layers.?"),
+README = Path(__file__).resolve().parents[1] / "README.md"  # the causal-LM cases' text
+
+
+@dataclass(frozen=True)
+class Bench:
+    overrides: tuple[str, ...]
+    activations: str  # the activation layers that c, d and d_all describe
+    steps: int = 300  # steps per case (--steps overrides)
+    group_by: str | None = None  # d_all's stats.group_by (one norm per block)
+    needs: str | None = None  # a module that must import, else the model is skipped
+
+
+LM = ("task=causal_lm", "data=text_file", f"data.path={README}", "data.block_size=128", "data.batch_size=8",
+      "optim=adamw")
+MODELS = {
+    "small_cnn": Bench(("model=small_cnn",), "relu*"),
+    "deep_mlp": Bench(("model=mlp", "model.depth=32", "model.width=64", "model.norm=layer", "optim=adamw"), "relu*"),
+    "transformer": Bench(("model=transformer", "optim=adamw"), "layers.?", 200, r"re:^layers\.\d+"),
+    "gpt": Bench((*LM, "model=gpt", "model.d_model=256", "model.n_layer=4"), "blocks.*.mlp", 60, r"re:^blocks\.\d+"),
+    "hf_gpt2": Bench((*LM, "model=hf", "model.config.n_embd=256", "model.config.n_layer=4", "model.config.n_head=4"),
+                     "transformer.h.*.mlp", 60, r"re:^transformer\.h\.\d+", needs="transformers"),
 }
 CLAMP = {"min": -1e-3, "max": 1e-3}
+ISSUE_19 = ("a", "b", "c", "d0", "d", "d_all", "a_wb", "w", "e")
 
 
 def compose_cfg(overrides: list[str]):
@@ -62,40 +108,49 @@ def compose_cfg(overrides: list[str]):
         return compose("config", overrides=["trainer.progress=false", "logger=none", *overrides])
 
 
-def hand_loop(model_overrides: list[str], steps: int, setup: Callable | None = None, wandb_freq: int = 0) -> float:
-    """Seconds per step of a minimal loop; ``setup(model, opt)`` attaches hooks; ``wandb_freq`` watches."""
-    cfg = compose_cfg(model_overrides)
-    run = build_run(cfg)
-    model, opt = run.model, run.optimizer
-    cleanup = setup(model, opt) if setup else None
-    wb = None
-    if wandb_freq:
-        import wandb
+def wandb_run():
+    import wandb
 
-        wb = wandb.init(mode="offline", dir=tempfile.mkdtemp(), project="bench", reinit="finish_previous",
-                        settings=wandb.Settings(silent=True))
-        wb.watch(model, log="gradients", log_freq=wandb_freq)
-    done = 0
+    return wandb.init(mode="offline", dir=tempfile.mkdtemp(), project="bench", reinit="finish_previous",
+                      settings=wandb.Settings(silent=True))
+
+
+Setup = Callable[..., Callable[[], object] | None]  # setup(model, optimizer, run) -> cleanup
+
+
+def hand_loop(model_overrides: list[str], steps: int, setup: Setup | None = None, log_loss: bool = False) -> float:
+    """Seconds per step of a minimal loop over what ``build`` makes of the config (the trainer's data, model,
+    optimizer and task); ``setup(model, opt, run)`` attaches hooks or watches; ``log_loss`` logs the loss to a
+    W&B offline run (``run``) every step."""
+    cfg = compose_cfg(model_overrides)
+    device = pick_device(cfg.trainer.device)
+    parts = build(cfg, Dist(), device)
+    model, opt, task = parts.model, parts.optimizer, parts.task
+    run = wandb_run() if log_loss else None
+    cleanup = setup(model, opt, run) if setup else None
+    model.train()
+    done, epoch = 0, 0
     start = time.perf_counter()
     while done < steps:
-        for x, y in run.train_loader:
-            x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
+        for batch in parts.loaders.epoch(epoch):
+            batch = to_device(batch, device)
+            loss = task.loss(task.forward(model, batch), batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            if wb is not None:
-                wb.log({"train/loss": loss.item()})
+            if run is not None:
+                run.log({"train/loss": loss.item()})
             done += 1
             if done == steps:
                 break
-    if run.device.type == "cuda":
-        torch.cuda.synchronize(run.device)  # the trainer's last step logs, which waits for the device too
+        epoch += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the trainer's last step logs, which waits for the device too
     elapsed = time.perf_counter() - start
-    if wb is not None:
-        wb.finish()
     if cleanup is not None:
         cleanup()
+    if run is not None:
+        run.finish()
     return elapsed / steps
 
 
@@ -106,8 +161,8 @@ def trainer_loop(model_overrides: list[str], steps: int, extra: list[str]) -> fl
     return summary["perf/train_loop_s"] / steps
 
 
-def clamp_via(kind: str) -> Callable:
-    def setup(model, opt):
+def clamp_via(kind: str) -> Setup:
+    def setup(model, opt, run):
         handle = attach(model, {"c": {"target": "*", "kind": kind, "transform": "clamp", "args": CLAMP}}, opt,
                         measure=False)
         return handle.remove
@@ -115,9 +170,21 @@ def clamp_via(kind: str) -> Callable:
     return setup
 
 
-def clamp_by_hand(model, opt):
+def clamp_by_hand(model, opt, run):
     handles = [p.register_hook(lambda g: g.clamp(min=CLAMP["min"], max=CLAMP["max"])) for p in model.parameters()]
     return lambda: [h.remove() for h in handles]
+
+
+def wandb_watch(freq: int) -> Setup:
+    def setup(model, opt, run):
+        run.watch(model, log="gradients", log_freq=freq)
+        return lambda: run.unwatch(model)
+
+    return setup
+
+
+def hookexp_watch(model, opt, run):
+    return hookexp.watch(model, opt, every=1, log=run, hist_bins=64).remove
 
 
 STATS_OFF = ["stats.grads=null", "stats.every=1000000000"]
@@ -129,8 +196,14 @@ def stats_all(activations: str) -> list[str]:
     return ["stats.grads=*", f"stats.activations={activations}", "stats.hist_bins=32"]
 
 
-def cases(model: list[str], activations: str, steps: int) -> dict[str, Callable[[], float]]:
-    every_stat = stats_all(activations)
+def every_family(bench: Bench) -> list[str]:
+    """Case d_all's statistics: c's, and weight, update and optimizer-state norms, and group norms."""
+    groups = [f"stats.group_by='{bench.group_by}'"] if bench.group_by else []
+    return [*stats_all(bench.activations), "stats.params=*", "stats.updates=*", "stats.optimizer=*", *groups]
+
+
+def cases(bench: Bench, model: list[str], steps: int) -> dict[str, Callable[[], float]]:
+    every_stat = stats_all(bench.activations)
     fns: dict[str, Callable[[int], float]] = {
         "a": lambda n: hand_loop(model, n),
         "b": lambda n: trainer_loop(model, n, STATS_OFF),
@@ -138,9 +211,13 @@ def cases(model: list[str], activations: str, steps: int) -> dict[str, Callable[
         "c_g": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.activations=null"]),
         "c_x": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.hist_sample=null"]),
         "d": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=10"]),
+        "d0": lambda n: trainer_loop(model, n, ["stats.every=10"]),  # the shipped stats config
+        "d_all": lambda n: trainer_loop(model, n, [*every_family(bench), "stats.every=10"]),
         "c_wb": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "logger=wandb"]),
-        "e": lambda n: hand_loop(model, n, wandb_freq=1),
-        "f": lambda n: hand_loop(model, n, wandb_freq=10),
+        "a_wb": lambda n: hand_loop(model, n, log_loss=True),
+        "w": lambda n: hand_loop(model, n, hookexp_watch, log_loss=True),
+        "e": lambda n: hand_loop(model, n, wandb_watch(1), log_loss=True),
+        "f": lambda n: hand_loop(model, n, wandb_watch(10), log_loss=True),
         "g_grad": lambda n: hand_loop(model, n, clamp_via("grad")),
         "g_pre": lambda n: hand_loop(model, n, clamp_via("pre_step")),
         "g_hand": lambda n: hand_loop(model, n, clamp_by_hand),
@@ -148,74 +225,126 @@ def cases(model: list[str], activations: str, steps: int) -> dict[str, Callable[
     return {name: (lambda fn=fn: fn(steps)) for name, fn in fns.items()}
 
 
+@dataclass(frozen=True)
+class Column:
+    label: str
+    needs: tuple[str, ...]  # the cases it is computed from
+    of: Callable[[dict[str, float]], float]  # its value from one repeat's step times
+    summary: Callable[[dict[str, list[float]]], float] | None = None  # the first table's cell (None: the median
+    # of the per-repeat values)
+
+
+def ratio(x: str, y: str) -> Column:
+    return Column(f"{x}/{y}", (x, y), lambda t: t[x] / t[y])
+
+
+def watch_vs_wandb(t: dict[str, float]) -> float:
+    """watch()'s overhead over wandb.watch's, both against the hand loop that logs its loss (a_wb)."""
+    return (t["w"] - t["a_wb"]) / (t["e"] - t["a_wb"])
+
+
+def watch_vs_wandb_medians(times: dict[str, list[float]]) -> float:
+    """The same from the median overheads (median w/a_wb - 1 over median e/a_wb - 1): a repeat where
+    wandb.watch happens to cost almost nothing does not swing it, as it swings that repeat's own ratio."""
+    def overhead(x: str) -> float:
+        return statistics.median(tx / ta for tx, ta in zip(times[x], times["a_wb"], strict=True)) - 1
+
+    return overhead("w") / overhead("e")
+
+
+COLUMNS = [ratio("b", "a"), ratio("c", "b"), ratio("c_g", "b"), ratio("c_x", "b"), ratio("d0", "b"), ratio("d", "b"),
+           ratio("d_all", "b"), ratio("c_wb", "b"), ratio("w", "a_wb"), ratio("e", "a_wb"),
+           Column("w/e ovh", ("w", "e", "a_wb"), watch_vs_wandb, watch_vs_wandb_medians), ratio("f", "a_wb"),
+           ratio("e", "c"), ratio("g_grad", "a"), ratio("g_pre", "a"), ratio("g_hand", "a"),
+           ratio("g_pre", "g_hand")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=0, help="steps per case for every model (0: each model's own)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="trainer.device for every case: cpu, cuda, ...")
-    parser.add_argument("--cases", default="", help="only these cases (e.g. a,b,c): the table keeps the ratios "
-                        "it can compute")
+    parser.add_argument("--cases", default=",".join(ISSUE_19), help="the cases to run (e.g. a,b,c), or 'all': the "
+                        "table keeps the ratios it can compute")
     parser.add_argument("--warmup-steps", type=int, default=30, help="steps of each case's discarded warm-up run "
-                        "(0: none)")
+                        "(0: none; at most a fifth of a model's steps)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the order of the cases in each repeat")
     args = parser.parse_args()
     import logging
-    import os
 
     logging.disable(logging.WARNING)
-    os.environ.setdefault("WANDB_SILENT", "true")  # case c_wb's run would print its summary into the table's output
-    names = args.models.split(",")
-    wanted = args.cases.split(",") if args.cases else None
+    os.environ.setdefault("WANDB_SILENT", "true")  # W&B runs would print their summaries into the table's output
+    names = []
+    for m in args.models.split(","):
+        needs = MODELS[m].needs
+        if needs and importlib.util.find_spec(needs) is None:
+            print(f"{m}: skipped ({needs} does not import)", file=sys.stderr)
+        else:
+            names.append(m)
+    wanted = None if args.cases == "all" else args.cases.split(",")
+
+    def steps_of(m: str) -> int:
+        return args.steps or MODELS[m].steps
 
     def selected(m: str, steps: int) -> dict[str, Callable[[], float]]:
-        overrides, activations = MODELS[m]
-        every = cases([*overrides, f"trainer.device={args.device}"], activations, steps)
+        bench = MODELS[m]
+        every = cases(bench, [*bench.overrides, f"trainer.device={args.device}"], steps)
         return {case: fn for case, fn in every.items() if wanted is None or case in wanted}
 
+    started = time.perf_counter()
     if args.warmup_steps:
         for m in names:
-            for fn in selected(m, args.warmup_steps).values():
+            for fn in selected(m, max(2, min(args.warmup_steps, steps_of(m) // 5))).values():
                 fn()
-        print("warm-up done", file=sys.stderr, flush=True)
+        print(f"warm-up done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     order = random.Random(args.seed)
     times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     for r in range(args.repeats):
         for m in names:
-            todo = list(selected(m, args.steps).items())
+            todo = list(selected(m, steps_of(m)).items())
             order.shuffle(todo)
             for case, fn in todo:
                 times[m].setdefault(case, []).append(fn())
-        print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+        print(f"repeat {r + 1}/{args.repeats} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr,
+              flush=True)
 
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
-    from hookexp import fused
-
-    kernels = "numba's fused kernels" if fused.usable(torch.device(args.device).type) else "torch ops"
-    print(f"\ntorch {torch.__version__}, {args.device} ({where}), {args.steps} steps x {args.repeats} repeats "
-          f"(median of the per-repeat ratios); statistics computed by {kernels}\n")
-    ratios = [("b", "a"), ("c", "b"), ("c_g", "b"), ("c_x", "b"), ("d", "b"), ("c_wb", "b"), ("e", "a"), ("f", "a"),
-              ("e", "c"), ("e", "c_wb"), ("g_grad", "a"), ("g_pre", "a"), ("g_hand", "a"), ("g_pre", "g_hand")]
+    where = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
+             f"{os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s)")
+    steps = f"{args.steps} steps" if args.steps else "steps " + ", ".join(f"{m} {steps_of(m)}" for m in names)
+    print(f"\ntorch {torch.__version__}, {args.device} ({where}), {steps}, {args.repeats} repeats (median of the "
+          f"per-repeat ratios); statistics computed by torch ops (hookexp/telemetry/stats.py)\n")
     ran = set(times[names[0]])
-    ratios = [(x, y) for x, y in ratios if x in ran and y in ran]
-    header = ["model", *(["a ms/step"] if "a" in ran else []), *(f"{x}/{y}" for x, y in ratios)]
+    columns = [c for c in COLUMNS if set(c.needs) <= ran]
+    header = ["model", *(["a ms/step"] if "a" in ran else []), *(c.label for c in columns)]
 
-    def per_repeat(m: str, x: str, y: str) -> list[float]:
-        return [tx / ty for tx, ty in zip(times[m][x], times[m][y], strict=True)]
+    def per_repeat(m: str, c: Column) -> list[float]:
+        return [c.of(dict(zip(times[m], t, strict=True))) for t in zip(*times[m].values(), strict=True)]
 
-    def table(cell: Callable[[list[float]], str]) -> None:
-        """One row per model; ``cell`` sums up a list of values: the hand loop's ms/step over the repeats, and
-        each ratio's per-repeat values."""
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for m in names:
-            a_ms = [cell([t * 1e3 for t in times[m]["a"]])] if "a" in ran else []
-            print("| " + " | ".join([m, *a_ms, *(cell(per_repeat(m, x, y)) for x, y in ratios)]) + " |")
+    def median(m: str, c: Column) -> float:
+        return c.summary(times[m]) if c.summary else statistics.median(per_repeat(m, c))
 
-    table(lambda values: f"{statistics.median(values):.2f}")
-    print(f"\nThe lowest and highest per-repeat ratio ({args.repeats} repeats; a ms/step: the fastest and slowest "
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for m in names:
+        a_ms = [f"{statistics.median(times[m]['a']) * 1e3:.2f}"] if "a" in ran else []
+        print("| " + " | ".join([m, *a_ms, *(f"{median(m, c):.2f}" for c in columns)]) + " |")
+    print(f"\nThe lowest and highest per-repeat value ({args.repeats} repeats; a ms/step: the fastest and slowest "
           "repeat):\n")
-    table(lambda values: f"{min(values):.2f}-{max(values):.2f}")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for m in names:
+        a_ms = [f"{min(times[m]['a']) * 1e3:.2f}-{max(times[m]['a']) * 1e3:.2f}"] if "a" in ran else []
+        cells = [f"{min(v):.2f}-{max(v):.2f}" for v in (per_repeat(m, c) for c in columns)]
+        print("| " + " | ".join([m, *a_ms, *cells]) + " |")
+    targets = [("the default statistics every 10 steps cost <= 5% of a step (d0/b <= 1.05)", "d0/b", 1.05),
+               ("all statistics every 10 steps cost <= 5% of a step (d/b <= 1.05)", "d/b", 1.05),
+               ("watch() at every=1 has at most half wandb.watch's overhead (w/e ovh <= 0.5)", "w/e ovh", 0.5)]
+    for text, label, limit in targets:
+        column = next((c for c in columns if c.label == label), None)
+        if column is not None:
+            got = {m: median(m, column) for m in names}
+            verdict = "met" if all(v <= limit for v in got.values()) else "NOT met"
+            print(f"\n{text}: {verdict} (" + ", ".join(f"{m} {v:.2f}" for m, v in got.items()) + ")", end="")
+    print(f"\n\n{time.perf_counter() - started:.0f} s in all")
 
 
 if __name__ == "__main__":
