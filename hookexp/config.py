@@ -43,6 +43,7 @@ class TrainerConfig:
     accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation; DDP syncs on the last)
     clip_grad_norm: Optional[float] = None  # noqa: UP045 - global gradient-norm clip, after the pre_step specs
     eval_every: Optional[int] = None  # noqa: UP045 - also validate every N steps (besides each epoch's end)
+    eval_every_epochs: int = 1  # validate at the end of every N-th epoch; 0: only by eval_every and at the end
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     num_threads: Optional[int] = 1  # noqa: UP045 - torch's intra-op CPU threads; null: torch's default
     progress: bool = True  # a tqdm progress bar on stderr

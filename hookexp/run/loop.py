@@ -150,6 +150,7 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
     model, optimizer, task, device = parts.model, parts.optimizer, parts.task, parts.device
     per_epoch = parts.loaders.batches_per_epoch()
     accumulate, eval_every = parts.accumulate, cfg.trainer.eval_every
+    eval_epochs = cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full-batch runs: one step an epoch)
     checkpoint_every = cfg.trainer.checkpoint_every
     bar = tqdm(total=total, initial=loop.step, disable=not cfg.trainer.progress, desc="train", unit="step",
                leave=False)
@@ -217,7 +218,8 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
         epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < micro
         if epoch_done:
             loop.epoch, loop.batch, batches = loop.epoch + 1, 0, None
-        if taken and (epoch_done or (eval_every and loop.step % eval_every == 0) or loop.step == total):
+        epoch_eval = epoch_done and eval_epochs and loop.epoch % eval_epochs == 0
+        if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
             evaluate_and_log(forward, parts, amp, sinks, loop)
         # SIGTERM/SIGINT: under DDP the ranks agree on log steps only, so no other step pays a collective
         stopping = ckpt.stop_requested if not parts.ranks.enabled else (
