@@ -44,6 +44,7 @@ class TrainerConfig:
     clip_grad_norm: Optional[float] = None  # noqa: UP045 - global gradient-norm clip, after the pre_step specs
     eval_every: Optional[int] = None  # noqa: UP045 - also validate every N steps (besides each epoch's end)
     eval_every_epochs: int = 1  # validate at the end of every N-th epoch; 0: only by eval_every and at the end
+    stop_when: Optional[str] = None  # noqa: UP045 - e.g. val/acc=0.95: stop once a logged metric reaches it
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     num_threads: Optional[int] = 1  # noqa: UP045 - torch's intra-op CPU threads; null: torch's default
     progress: bool = True  # a tqdm progress bar on stderr

@@ -209,18 +209,29 @@ class FeedForward(nn.Module):
         return F.dropout(self.proj(self.act(self.fc(x))), self.dropout, self.training)
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+LAYOUTS = ("pre_norm", "normed_stream")
 
-    def __init__(self, d_model: int, n_head: int, d_mlp: int, dropout: float, act: str, norm: str, bias: bool):
+
+class Block(nn.Module):
+    """A transformer block. ``pre_norm`` (GPT-2): ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
+    ``normed_stream`` (the Grokfast and grokking papers' code): ``x = ln1(x)``, ``x + attn(x)``, then
+    ``x + mlp(ln2(x))``: the residual stream itself is normalised before attention."""
+
+    def __init__(self, d_model: int, n_head: int, d_mlp: int, dropout: float, act: str, norm: str, bias: bool,
+                 layout: str = "pre_norm"):
         super().__init__()
+        self.layout = layout
         self.ln1 = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
         self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
         self.ln2 = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
         self.mlp = FeedForward(d_model, d_mlp, act, dropout, bias)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), attention_mask)
+        if self.layout == "normed_stream":
+            x = self.ln1(x)
+            x = x + self.attn(x, attention_mask)
+        else:
+            x = x + self.attn(self.ln1(x), attention_mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -230,15 +241,17 @@ class GPT(nn.Module):
     ``embed`` (tokens) and ``pos_embed`` (learned positions) -> ``blocks.N`` (``ln1``, ``attn``, ``ln2``,
     ``mlp``) -> ``norm`` -> ``head`` (logits over the vocabulary). ``forward(input_ids [B, T],
     attention_mask [B, T] | None) -> logits [B, T, vocab_size]``; ``attention_mask`` (1 = token, 0 = padding)
-    hides padded keys. Initialised like GPT-2: weights N(0, 0.02), the residual projections (``attn.proj``,
+    hides padded keys. ``init="gpt2"``: weights N(0, 0.02), the residual projections (``attn.proj``,
     ``mlp.proj``) N(0, 0.02 / sqrt(2 * n_layer)) so the residual stream's variance does not grow with depth;
-    biases zero. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then listed once, as
-    ``embed.weight``, by ``named_parameters``).
+    biases zero. ``init="torch"``: PyTorch's own module defaults (Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    weights and biases; Embedding: N(0, 1); LayerNorm: ones and zeros), as research code that sets no init
+    has. ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
+    listed once, as ``embed.weight``, by ``named_parameters``).
     """
 
     def __init__(self, vocab_size: int, block_size: int = 128, n_layer: int = 4, n_head: int = 4, d_model: int = 256,
                  d_mlp: int | None = None, dropout: float = 0.0, act: str = "gelu", norm: str = "layer",
-                 bias: bool = True, tie_weights: bool = False):
+                 bias: bool = True, tie_weights: bool = False, init: str = "gpt2", layout: str = "pre_norm"):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
                             ("n_head", n_head), ("d_model", d_model)):
@@ -249,13 +262,16 @@ class GPT(nn.Module):
         _fraction("dropout", dropout)
         _choice("act", act, tuple(ACTIVATIONS))
         _choice("norm", norm, ("layer", "none"))
+        _choice("init", init, ("gpt2", "torch"))
+        _choice("layout", layout, LAYOUTS)
         self.block_size, self.dropout = block_size, dropout
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_embed = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, d_mlp, dropout, act, norm, bias) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_mlp, dropout, act, norm, bias, layout)
+                                    for _ in range(n_layer))
         self.norm = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-        for name, module in self.named_modules():
+        for name, module in self.named_modules() if init == "gpt2" else ():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)

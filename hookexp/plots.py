@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import orjson
 
+from hookexp.goals import lower_is_better
+
 STEP = "trainer/step"
 LINE_PLOT_MAX = 10  # at most this many parameters: one line each (ten distinct colours, a legend that fits)
 HEATMAP_ROWS_MAX = 64  # more parameters than this: one heatmap row per block (``blocks.3``), not per parameter
-LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "mse")  # metric names ending so fall (``--reach``, log y axis)
 ZERO_COLOUR, NONFINITE_COLOUR, MISSING_COLOUR = "white", "#d62728", "0.78"
 
 
@@ -89,11 +90,6 @@ def read_metrics(path: Path) -> Metrics:
         else:
             skipped += 1
     return Metrics(rows, skipped)
-
-
-def lower_is_better(metric: str) -> bool:
-    """Whether a metric falls as training succeeds: its name ends in loss, ppl, perplexity or mse."""
-    return metric.lower().endswith(LOWER_IS_BETTER)
 
 
 def log_y(metric: str) -> bool:

@@ -40,43 +40,12 @@ from typing import Any
 import yaml
 
 from hookexp.errors import ConfigError, did_you_mean
-from hookexp.plots import Metrics, curves_figure, lower_is_better, read_metrics, save, short_labels
+from hookexp.goals import Reach
+from hookexp.plots import Metrics, curves_figure, read_metrics, save, short_labels
 
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
 CURVES = ("train/loss", "val/acc")
 IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "trainer.progress=")
-
-
-@dataclass(frozen=True)
-class Reach:
-    """A ``--reach`` target: the first step at which ``metric op value`` holds."""
-
-    metric: str
-    op: str  # ">=" or "<="
-    value: float
-
-    @classmethod
-    def parse(cls, text: str) -> Reach:
-        found = re.fullmatch(r"\s*([^<>=\s]+)\s*(<=|>=|=)\s*(\S+)\s*", text)
-        try:
-            value = float(found.group(3)) if found else math.nan
-        except ValueError:
-            value = math.nan
-        if not found or not math.isfinite(value):
-            raise ConfigError(f"{text!r} is not a target. Write METRIC=VALUE (>= for metrics that grow, <= for "
-                              "names ending in loss, ppl, perplexity or mse), or METRIC>=VALUE / METRIC<=VALUE to "
-                              "give the direction, e.g. --reach val/acc=0.95 or --reach val/loss<=0.1.",
-                              key="--reach")
-        metric, op = found.group(1), found.group(2)
-        if op == "=":
-            op = "<=" if lower_is_better(metric) else ">="
-        return cls(metric, op, value)
-
-    def holds(self, value: float) -> bool:
-        return math.isfinite(value) and (value >= self.value if self.op == ">=" else value <= self.value)
-
-    def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.value:g}"
 
 
 def parse_reach(texts: Iterable[str | Reach]) -> list[Reach]:

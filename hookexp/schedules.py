@@ -14,16 +14,19 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
 
 class _Warmup:
-    """Multiplier: linear from 1/(warmup+1) up to 1 over the first ``warmup`` steps, then ``after(t)``.
+    """Multiplier: linear from 1/(warmup+1) up to 1 over the first ``warmup`` steps (``from_zero``: t/warmup,
+    0 at the first step, as ``LambdaLR(lambda t: min(t / warmup, 1))`` in many papers' code), then ``after(t)``.
 
     A class, not a lambda: LambdaLR saves callable objects' ``__dict__`` in its state_dict."""
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.0, cosine: bool = False):
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.0, cosine: bool = False,
+                 from_zero: bool = False):
         self.warmup_steps, self.total_steps, self.min_ratio, self.cosine = warmup_steps, total_steps, min_ratio, cosine
+        self.from_zero = from_zero
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
+            return step / self.warmup_steps if self.from_zero else (step + 1) / (self.warmup_steps + 1)
         if not self.cosine:
             return 1.0
         span = max(self.total_steps - self.warmup_steps, 1)
@@ -38,10 +41,12 @@ def _check(warmup_steps: int, min_lr_ratio: float = 0.0) -> None:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
 
 
-def constant(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0) -> LRScheduler:
-    """The optimizer's lr, after a linear warmup over ``warmup_steps`` updates."""
+def constant(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+             warmup_from_zero: bool = False) -> LRScheduler:
+    """The optimizer's lr, after a linear warmup over ``warmup_steps`` updates (``warmup_from_zero``: the
+    multiplier is step / warmup_steps, 0 on the first update; else (step + 1) / (warmup_steps + 1))."""
     _check(warmup_steps)
-    return LambdaLR(optimizer, _Warmup(warmup_steps, total_steps))
+    return LambdaLR(optimizer, _Warmup(warmup_steps, total_steps, from_zero=bool(warmup_from_zero)))
 
 
 def cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,

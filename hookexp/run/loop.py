@@ -27,6 +27,7 @@ from tqdm import tqdm
 from hookexp.engine import HookHandle, attach, validate
 from hookexp.engine.validate import hooks_summary
 from hookexp.errors import ConfigError, HookCheckError
+from hookexp.goals import Reach, lower_is_better
 from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
 from hookexp.run.build import MixedPrecision, Parts, build, pick_device
@@ -38,9 +39,6 @@ from hookexp.run.telemetry import Telemetry
 from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, write_json_atomic
 
 log = logging.getLogger("hookexp.train")
-LOWER_IS_BETTER = ("loss", "ppl", "mse")
-
-
 @contextlib.contextmanager
 def explaining(hooks: HookHandle) -> Any:
     """torch's errors around the hooks (an in-place op next to a full backward hook, a transform that cut the
@@ -151,6 +149,8 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
     per_epoch = parts.loaders.batches_per_epoch()
     accumulate, eval_every = parts.accumulate, cfg.trainer.eval_every
     eval_epochs = cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full-batch runs: one step an epoch)
+    goal = Reach.parse(cfg.trainer.stop_when, "trainer.stop_when") if cfg.trainer.stop_when else None
+    reached = None  # the step at which a logged value met trainer.stop_when
     checkpoint_every = cfg.trainer.checkpoint_every
     bar = tqdm(total=total, initial=loop.step, disable=not cfg.trainer.progress, desc="train", unit="step",
                leave=False)
@@ -203,6 +203,8 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
                 metrics.update(epoch=loop.epoch, **{"perf/step_time": (now - last_log_time) / max(
                     loop.step - loop.last_log_step, 1)})
                 sinks.log(metrics, step, histograms)
+                if goal is not None and goal.holds(metrics.get(goal.metric, math.nan)):
+                    reached = step
                 last_log_time, loop.last_log_step = now, loop.step
                 spike = telemetry.spiked(metrics, step)
                 if spike is not None:
@@ -220,7 +222,9 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
             loop.epoch, loop.batch, batches = loop.epoch + 1, 0, None
         epoch_eval = epoch_done and eval_epochs and loop.epoch % eval_epochs == 0
         if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
-            evaluate_and_log(forward, parts, amp, sinks, loop)
+            val = evaluate_and_log(forward, parts, amp, sinks, loop)
+            if goal is not None and goal.holds(val.get(goal.metric, math.nan)):
+                reached = loop.step - 1
         # SIGTERM/SIGINT: under DDP the ranks agree on log steps only, so no other step pays a collective
         stopping = ckpt.stop_requested if not parts.ranks.enabled else (
             log_now and parts.ranks.any(ckpt.stop_requested, device))
@@ -231,6 +235,9 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
             log.warning("stopped by signal %s after step %d; checkpoint %s", ckpt.signum, loop.step, ckpt.path)
             bar.close()
             return "interrupted"
+        if reached is not None:
+            log.info("stopped after step %d: %s (trainer.stop_when)", reached, goal)
+            break
     bar.close()
     if loop.evaluated != loop.step - 1:  # resumed from the final checkpoint, before its validation ran
         evaluate_and_log(forward, parts, amp, sinks, loop)
@@ -264,11 +271,13 @@ def evaluate(forward: torch.nn.Module, parts: Parts, amp: MixedPrecision) -> dic
     return {f"val/{k}": v for k, v in task.finish(means).items()}
 
 
-def evaluate_and_log(forward: torch.nn.Module, parts: Parts, amp: MixedPrecision, sinks: Any, loop: LoopState) -> None:
+def evaluate_and_log(forward: torch.nn.Module, parts: Parts, amp: MixedPrecision, sinks: Any, loop: LoopState
+                     ) -> dict[str, float]:
     val = evaluate(forward, parts, amp)
     loop.evaluated = loop.step - 1
     if val:
         sinks.log({**val, "epoch": loop.epoch}, loop.step - 1)
+    return val
 
 
 def save_checkpoint(ckpt: Checkpointer, loop: LoopState, model: torch.nn.Module, telemetry: Telemetry) -> None:
@@ -310,7 +319,7 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
             last.update(row)
             for key, value in row.items():
                 if key.startswith("val/") and isinstance(value, (int, float)) and math.isfinite(value):
-                    lower = key.rsplit("/", 1)[-1] in LOWER_IS_BETTER
+                    lower = lower_is_better(key)
                     if key not in best or (value < best[key] if lower else value > best[key]):
                         best[key] = value
     last.pop("trainer/step", None)
