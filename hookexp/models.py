@@ -312,6 +312,9 @@ class GPT(nn.Module):
         scale = None
         if parametrization == "mup":  # 1/head_dim, equal to 1/sqrt(head_dim) at the base width
             base_width = _base_width(base_width)
+            if base_width % n_head:
+                raise ValueError(f"base_width must be divisible by n_head (the base model's d_model), got "
+                                 f"base_width={base_width}, n_head={n_head}")
             scale = math.sqrt(base_width / n_head) / (d_model // n_head)
         _fraction("dropout", dropout)
         _choice("act", act, tuple(ACTIVATIONS))

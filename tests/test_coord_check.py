@@ -96,8 +96,19 @@ def test_bad_mup_arguments_start_with_the_parameter_name(kwargs, message):
     if "init_std" not in kwargs:
         with pytest.raises(ValueError, match=message):
             GPT(vocab_size=11, block_size=6, d_model=16, **kwargs)
+    with pytest.raises(ValueError, match="base_width must be divisible by n_head"):
+        GPT(vocab_size=11, block_size=6, d_model=16, n_head=4, parametrization="mup", base_width=6)
     with pytest.raises(ValueError, match="tie_weights must be false with parametrization=mup"):
         GPT(vocab_size=11, block_size=6, d_model=16, parametrization="mup", base_width=8, tie_weights=True)
+
+
+def test_mup_without_the_package_names_the_extra(monkeypatch):
+    from hookexp.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "mup", None)  # import mup raises ImportError
+    with pytest.raises(ConfigError, match=r"model.parametrization: parametrization=mup needs the mup package.*"
+                                          r"pip install 'hookexp\[mup\]'"):
+        MLP(input_dim=8, output_dim=3, width=16, parametrization="mup", base_width=16)
 
 
 # -- the report: slopes and --max-slope on a hand-made sweep ----------------------------------------------------
