@@ -8,6 +8,13 @@ in conf/model and filled from the data's ``Splits.info`` by the run.
 
 A bad argument is a ValueError whose message starts with the parameter's name ("width must be at least 1,
 got 0"), so the run can name the config key (``model.width``) in front of it.
+
+µP (Yang et al. 2021, Tensor Programs V): :class:`MLP` and :class:`GPT` take ``parametrization="mup"`` and a
+``base_width``; the model is then built with the ``mup`` package (extra ``hookexp[mup]``): its output layer
+is a ``mup.MuReadout``, ``mup.set_base_shapes`` compares it with the same model at ``base_width`` and twice
+that (built on the meta device: only their shapes are read), and it trains with ``mup.MuAdam``,
+``mup.MuAdamW`` or ``mup.MuSGD`` (``optim._target_``). At ``base_width`` a µP model computes what the SP one
+does; wider, its activations' size stays that of the base width instead of growing.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookexp.errors import ConfigError, did_you_mean
+
+PARAMETRIZATIONS = ("sp", "mup")
 
 # -- argument checks ----------------------------------------------------------------------------------------
 
@@ -48,6 +57,32 @@ def _fraction(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
     return float(value)
+
+
+def _mup() -> Any:
+    try:
+        import mup
+    except ImportError as e:
+        raise ConfigError(f"parametrization=mup needs the mup package, which is not installed ({e}). Install the "
+                          "extra: pip install 'hookexp[mup]'.", key="model.parametrization") from None
+    return mup
+
+
+def _base_width(value: Any) -> int:
+    if value is None:
+        raise ValueError("base_width must be set with parametrization=mup: the width whose behaviour (and tuned "
+                         "hyperparameters) every width keeps, e.g. 64")
+    return _int("base_width", value)
+
+
+def _base_shapes(model: nn.Module, build: Any, base_width: int, rescale_params: bool) -> Any:
+    """``mup.set_base_shapes(model, base, delta=delta)``, ``base`` and ``delta`` being ``build(base_width)`` and
+    ``build(2 * base_width)`` on the meta device; returns the mup module."""
+    mup = _mup()
+    with torch.device("meta"):
+        base, delta = build(base_width), build(2 * base_width)
+    mup.set_base_shapes(model, base, delta=delta, rescale_params=rescale_params)
+    return mup
 
 
 # -- image and tabular models -------------------------------------------------------------------------------
@@ -84,12 +119,21 @@ class MLP(nn.Sequential):
     so one file fits images (classification) and tabular data (regression). ``init_std`` (when set) draws
     every weight from N(0, init_std^2) and zeroes the biases: a badly initialised deep network for
     gradient-noise studies. ``norm="layer"`` puts a LayerNorm (``norm<i>``) after every hidden linear layer.
+    ``parametrization="mup"``: µP with ``base_width`` (module docstring): ``fc<depth>`` is a ``mup.MuReadout``,
+    and torch's default initialisation is rescaled by ``mup.set_base_shapes`` (``init_std`` must be null).
     """
 
     def __init__(self, in_channels: int = 1, image_size: int = 8, num_classes: int = 10, depth: int = 3,
                  width: int = 128, init_std: float | None = None, norm: str | None = None,
-                 input_dim: int | None = None, output_dim: int | None = None):
+                 input_dim: int | None = None, output_dim: int | None = None, parametrization: str = "sp",
+                 base_width: int | None = None):
         _choice("norm", norm, (None, "layer"))
+        _choice("parametrization", parametrization, PARAMETRIZATIONS)
+        if parametrization == "mup" and init_std is not None:
+            raise ValueError(f"init_std must be null with parametrization=mup (got {init_std!r}): µP scales torch's "
+                             "default initialisation with the width (mup.set_base_shapes)")
+        given = {"in_channels": in_channels, "image_size": image_size, "num_classes": num_classes, "depth": depth,
+                 "norm": norm, "input_dim": input_dim, "output_dim": output_dim}
         for name, value in (("depth", depth), ("width", width)):
             _int(name, value)
         if input_dim is None:
@@ -106,13 +150,16 @@ class MLP(nn.Sequential):
                 layers.append((f"norm{i}", nn.LayerNorm(width)))
             layers.append((f"relu{i}", nn.ReLU()))
             fan_in = width
-        layers.append((f"fc{depth}", nn.Linear(fan_in, fan_out)))
+        readout = _mup().MuReadout if parametrization == "mup" else nn.Linear
+        layers.append((f"fc{depth}", readout(fan_in, fan_out)))
         super().__init__(OrderedDict(layers))
         if init_std is not None:
             for m in self.modules():
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, std=init_std)
                     nn.init.zeros_(m.bias)
+        if parametrization == "mup":
+            _base_shapes(self, lambda w: MLP(**given, width=w), _base_width(base_width), rescale_params=True)
 
 
 class SeedNet(nn.Sequential):
@@ -175,9 +222,10 @@ class CausalSelfAttention(nn.Module):
     ``[B, T, n_head * head_dim]``, so a hook spec's ``select: {heads: [...], num_heads: H}`` on it acts on
     single heads."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True):
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True,
+                 scale: float | None = None):
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
+        self.n_head, self.dropout, self.scale = n_head, dropout, scale  # scale: of q.k (None: 1/sqrt(head_dim))
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -186,11 +234,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))
         p = self.dropout if self.training else 0.0
         if attention_mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
         else:  # key padding: a query sees earlier real tokens, and itself so that no row is empty (NaN)
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             keep = causal & attention_mask.bool()[:, None, None, :] | torch.eye(t, dtype=torch.bool, device=x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, scale=self.scale)
         y = y.transpose(1, 2).reshape(b, t, d)
         return F.dropout(self.proj(y), p, self.training)
 
@@ -218,11 +266,11 @@ class Block(nn.Module):
     ``x + mlp(ln2(x))``: the residual stream itself is normalised before attention."""
 
     def __init__(self, d_model: int, n_head: int, d_mlp: int, dropout: float, act: str, norm: str, bias: bool,
-                 layout: str = "pre_norm"):
+                 scale: float | None = None, layout: str = "pre_norm"):
         super().__init__()
         self.layout = layout
         self.ln1 = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
-        self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, bias, scale)
         self.ln2 = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
         self.mlp = FeedForward(d_model, d_mlp, act, dropout, bias)
 
@@ -247,18 +295,41 @@ class GPT(nn.Module):
     weights and biases; Embedding: N(0, 1); LayerNorm: ones and zeros), as research code that sets no init
     has. ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
     listed once, as ``embed.weight``, by ``named_parameters``).
+
+    ``parametrization="mup"``: µP with ``base_width`` (module docstring; the width is ``d_model``, and ``d_mlp``
+    grows with it): ``head`` is a ``mup.MuReadout``, the same standard deviations are drawn with
+    ``mup.init.normal_`` (matrices shrink by sqrt(base_width / d_model)), and attention scores q.k are scaled
+    by 1/head_dim instead of 1/sqrt(head_dim), times sqrt(base head_dim) so that the base width's model is the
+    SP one. Not with ``tie_weights`` nor ``init="torch"``.
     """
 
     def __init__(self, vocab_size: int, block_size: int = 128, n_layer: int = 4, n_head: int = 4, d_model: int = 256,
                  d_mlp: int | None = None, dropout: float = 0.0, act: str = "gelu", norm: str = "layer",
-                 bias: bool = True, tie_weights: bool = False, init: str = "gpt2", layout: str = "pre_norm"):
+                 bias: bool = True, tie_weights: bool = False, parametrization: str = "sp",
+                 base_width: int | None = None, init: str = "gpt2", layout: str = "pre_norm"):
         super().__init__()
+        _choice("parametrization", parametrization, PARAMETRIZATIONS)
+        if parametrization == "mup" and tie_weights:
+            raise ValueError("tie_weights must be false with parametrization=mup: µP's readout (mup.MuReadout) "
+                             "scales differently from the embedding")
+        if parametrization == "mup" and init != "gpt2":
+            raise ValueError(f"init must be gpt2 with parametrization=mup (µP draws its own scaled init), got {init!r}")
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
                             ("n_head", n_head), ("d_model", d_model)):
             _int(name, value)
         if d_model % n_head:
             raise ValueError(f"d_model must be divisible by n_head, got d_model={d_model}, n_head={n_head}")
-        d_mlp = 4 * d_model if d_mlp is None else _int("d_mlp", d_mlp)
+        given = {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": n_head,
+                 "dropout": dropout, "act": act, "norm": norm, "bias": bias, "layout": layout}
+        mlp_ratio = None if d_mlp is None else _int("d_mlp", d_mlp) / d_model  # d_mlp grows with d_model (µP)
+        d_mlp = 4 * d_model if d_mlp is None else d_mlp
+        scale = None
+        if parametrization == "mup":  # 1/head_dim, equal to 1/sqrt(head_dim) at the base width
+            base_width = _base_width(base_width)
+            if base_width % n_head:
+                raise ValueError(f"base_width must be divisible by n_head (the base model's d_model), got "
+                                 f"base_width={base_width}, n_head={n_head}")
+            scale = math.sqrt(base_width / n_head) / (d_model // n_head)
         _fraction("dropout", dropout)
         _choice("act", act, tuple(ACTIVATIONS))
         _choice("norm", norm, ("layer", "none"))
@@ -267,14 +338,19 @@ class GPT(nn.Module):
         self.block_size, self.dropout = block_size, dropout
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_embed = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, d_mlp, dropout, act, norm, bias, layout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, d_mlp, dropout, act, norm, bias, scale, layout)
                                     for _ in range(n_layer))
         self.norm = nn.LayerNorm(d_model, bias=bias) if norm == "layer" else nn.Identity()
-        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        readout = _mup().MuReadout if parametrization == "mup" else nn.Linear
+        self.head = readout(d_model, vocab_size, bias=False)
+        normal_ = nn.init.normal_
+        if parametrization == "mup":
+            normal_ = _base_shapes(self, lambda w: GPT(**given, d_model=w, d_mlp=mlp_ratio and round(mlp_ratio * w)),
+                                   base_width, rescale_params=False).init.normal_
         for name, module in self.named_modules() if init == "gpt2" else ():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
         if tie_weights:

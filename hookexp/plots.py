@@ -446,3 +446,39 @@ def save(fig, out_path: Path) -> Path:
     _pyplot().close(fig)
     return out_path
 
+
+
+# ------------------------------------------------------------------------------------ coordinate check
+
+
+def coord_figure(groups: Sequence[tuple[str, Mapping[str, Mapping[int, Mapping[int, float]]]]], title: str = ""):
+    """The µP coordinate check as the ``mup`` README draws it: one row per group, one panel per step, mean |x|
+    against width on log-log axes, one line per layer, every panel on the same y axis (flat reads as flat).
+    ``groups = [(name, {layer: {step: {width: value}}})]``; non-positive and non-finite values are not drawn (a
+    log axis cannot place them). Returns the figure."""
+    plt = _pyplot()
+    steps = sorted({s for _, layers in groups for by_step in layers.values() for s in by_step})
+    layers = list(dict.fromkeys(layer for _, by_layer in groups for layer in by_layer))
+    colours = plt.get_cmap("tab10" if len(layers) <= 10 else "tab20").colors
+    colour = {layer: colours[i % len(colours)] for i, layer in enumerate(layers)}
+    nrows, ncols = max(1, len(groups)), max(1, len(steps))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.3 * ncols + 0.6, 2.9 * nrows + 0.4 + 0.2 * len(layers) / 4),
+                             dpi=110, squeeze=False, layout="constrained", sharey=True)
+    for row, (name, by_layer) in zip(axes, groups, strict=False):
+        for ax, step in zip(row, steps, strict=True):
+            for layer, by_step in by_layer.items():
+                points = sorted((w, v) for w, v in by_step.get(step, {}).items() if math.isfinite(v) and v > 0)
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=colour[layer], label=layer)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"step {step}", fontsize=9)
+            ax.set_xlabel("width", fontsize=8)
+            ax.grid(True, which="major", alpha=0.3)
+        row[0].set_ylabel(f"{textwrap.fill(name, 30)}\nmean |x|", fontsize=8)
+    handles = [plt.Line2D([], [], color=colour[layer], marker="o", markersize=3) for layer in layers]
+    if layers:
+        fig.legend(handles, layers, loc="outside lower center", ncol=min(len(layers), 6), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig

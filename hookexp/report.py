@@ -19,9 +19,19 @@ log axis for loss-like metrics and norms, where the band is the geometric mean �
 (it never falls to the bottom of the axis); elsewhere mean ± std clipped to the jobs' range; a group of
 one job draws no band. ``--logx`` puts steps on a log axis (step 0 is not drawn).
 
+Coordinate check (``--coord``; Yang et al. 2021, the ``mup`` README): the jobs are a width sweep (the width is
+the override of the first ``--width`` key a job has: ``model.width`` or ``model.d_model``), grouped by their
+overrides minus the width and the seed. Per group, layer, step and width: the mean over seeds of each layer's
+mean |x| (``act/<layer>/abs_mean``, logged with ``stats.activations`` and ``stats.every=1``); the plot draws it
+against the width, log-log, one panel per step and one row per group; the table gives per layer the slope of
+the least-squares line through log(mean |x|) against log(width) at the group's last step (0: flat, as under
+µP; 1: growing like the width). ``--max-slope X`` exits with status 1 and a one-line message naming the layer
+when a slope is above X or cannot be computed (a value NaN, Inf or 0): the check a model's CI can run.
+
 Examples:
   python -m hookexp.report multirun/2026-11-22/10-00-00
   python -m hookexp.report multirun/2026-11-22/10-00-00 --reach val/acc=0.95 --logx --out reports/grokfast
+  python -m hookexp.report multirun/2026-11-22/10-00-00 --coord --max-slope 0.2
 """
 
 from __future__ import annotations
@@ -37,15 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from hookexp.errors import ConfigError, did_you_mean
-from hookexp.goals import Reach
-from hookexp.plots import Metrics, curves_figure, read_metrics, save, short_labels
+from hookexp.goals import Reach, lower_is_better
+from hookexp.plots import Metrics, coord_figure, curves_figure, read_metrics, save, short_labels
 
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
 CURVES = ("train/loss", "val/acc")
 IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "trainer.progress=")
+WIDTH_KEYS = ("model.width", "model.d_model")
 
 
 def parse_reach(texts: Iterable[str | Reach]) -> list[Reach]:
@@ -63,6 +75,7 @@ class Job:
     summary: dict[str, Any] | None
     error: str | None = None
     root: Path | None = None
+    width: int | None = None  # --coord: the job's width override
     _metrics: Metrics | None = field(default=None, repr=False)
 
     @property
@@ -319,6 +332,134 @@ def plot(groups: list[Group], out: Path, curves: tuple[str, ...] = CURVES, logx:
     return panels
 
 
+# ------------------------------------------------------------------------------------ coordinate check
+
+
+@dataclass
+class Coord:
+    """One group of a coordinate check: ``values[layer][step][width]``, the mean over the group's seeds of the
+    layer's mean |x|; ``slopes[layer]``, the log-log slope against width at ``step``, the last step logged."""
+
+    name: str
+    jobs: list[Job]
+    values: dict[str, dict[int, dict[int, float]]]
+    step: int
+    slopes: dict[str, float]
+
+
+def log_slope(widths: Sequence[float], values: Sequence[float]) -> float:
+    """The least-squares slope of log(value) against log(width); NaN with fewer than two widths or any value
+    that is not positive and finite."""
+    if len(widths) < 2 or not all(math.isfinite(v) and v > 0 for v in values):
+        return math.nan
+    return float(np.polyfit(np.log(np.asarray(widths, dtype=float)), np.log(np.asarray(values, dtype=float)), 1)[0])
+
+
+def _width(job: Job, keys: Sequence[str]) -> int | None:
+    """The job's width: the integer value of its override of the first of ``keys`` it has."""
+    given = dict(o.lstrip("+").split("=", 1) for o in job.overrides if "=" in o)
+    for key in keys:
+        if key in given:
+            try:
+                return int(given[key])
+            except ValueError:
+                return None
+    return None
+
+
+def _coord_values(jobs: list[Job], stat: str = "abs_mean") -> tuple[dict[str, dict[int, dict[int, float]]], int]:
+    """``{layer: {step: {width: mean over the jobs of that width}}}`` and the last step every job logged."""
+    per: dict[str, dict[int, dict[int, list[float]]]] = {}
+    last = []
+    for job in jobs:
+        layers = [k[4:-len(stat) - 1] for k in dict.fromkeys(k for r in job.metrics.rows for k in r)
+                  if k.startswith("act/") and k.endswith(f"/{stat}")]
+        steps = set()
+        for layer in layers:
+            for step, value in job.curve(f"act/{layer}/{stat}").items():
+                per.setdefault(layer, {}).setdefault(step, {}).setdefault(job.width, []).append(value)
+                steps.add(step)
+        last.append(max(steps, default=-1))
+    values = {layer: {step: {w: float(np.mean(v)) for w, v in sorted(by_w.items())} for step, by_w in
+                      sorted(by_step.items())} for layer, by_step in per.items()}
+    return values, min(last, default=-1)
+
+
+def coord_check(roots: list[Path], out_dir: Path | None = None, width_keys: Sequence[str] = WIDTH_KEYS,
+                max_slope: float | None = None) -> tuple[str, list[Coord], list[tuple[Coord, str, float]]]:
+    """The coordinate check of a width sweep (module docstring): writes report.md and report.png; returns the
+    markdown, the groups and the layers over ``max_slope`` as ``(group, layer, slope)``, steepest first (a slope
+    that could not be computed, NaN, counts as over). Bad input raises ConfigError."""
+    roots = [Path(r) for r in roots]
+    jobs = find_jobs(roots)
+    for job in jobs:
+        job.width = _width(job, width_keys)
+    used = [j for j in jobs if j.finished and j.width is not None]
+    if not used:
+        raise ConfigError(f"no finished job under {', '.join(map(str, roots))} has a width override "
+                          f"({' or '.join(width_keys)}=N). Pass the directory of a width sweep, e.g. "
+                          "python -m hookexp -m experiment=coord_check model.width=64,128,256, or name the width's "
+                          "key with --width.", key="--width")
+    if not any(k.startswith("act/") and k.endswith("/abs_mean") for j in used for k in j.metrics.names()):
+        raise ConfigError("no job logged act/<layer>/abs_mean: run the sweep with stats.activations set to the "
+                          "layers to check (and stats.every=1), as experiment=coord_check does.", key="DIR")
+    width_of = {f"{k}=" for k in width_keys}
+
+    def kept(job: Job) -> list[str]:
+        return [o for o in job.kept if not o.lstrip("+").startswith(tuple(width_of))]
+
+    common = set.intersection(*(set(kept(j)) for j in used)) if len(used) > 1 else set()
+    by_key: dict[frozenset[str], list[Job]] = {}
+    for job in used:
+        by_key.setdefault(frozenset(kept(job)) - common, []).append(job)
+    groups = []
+    for key, members in by_key.items():
+        name = " ".join(o for o in dict.fromkeys(members[0].overrides) if o in key) or "(common overrides only)"
+        values, step = _coord_values(members)
+        slopes = {}
+        for layer, by_step in values.items():
+            at = by_step.get(step, {})
+            slopes[layer] = log_slope(list(at), list(at.values()))
+        groups.append(Coord(name, members, values, step, slopes))
+    groups.sort(key=lambda g: _natural(g.name))
+    over = [(g, layer, v) for g in groups for layer, v in g.slopes.items()
+            if max_slope is not None and not v <= max_slope]
+    over.sort(key=lambda t: -t[2] if math.isfinite(t[2]) else -math.inf)
+    left_out = [j for j in jobs if j not in used]
+    out_dir = _prepare_out(Path(out_dir) if out_dir is not None else roots[0])
+
+    text = [f"# hookexp coordinate check: {', '.join(map(str, roots))}", "",
+            f"{len(used)} finished jobs in {len(groups)} groups (overrides minus the width and the seed). Mean |x| "
+            "of each layer's output (`act/<layer>/abs_mean`), averaged over the group's seeds; slope: least squares "
+            "of log(mean |x|) on log(width) at the group's last step (0: flat, as under µP; 1: grows like the "
+            "width)."]
+    if common:
+        text += ["", "Common to every job: `" + " ".join(sorted(common)) + "`"]
+    text += ["", r"| group | layer | seeds | widths | step | slope | mean \|x\| at the smallest → largest width |",
+             "|---|---|---|---|---|---|---|"]
+    for g in groups:
+        seeds = len({j.seed for j in g.jobs})
+        for layer, value in g.slopes.items():
+            at = g.values[layer].get(g.step, {})
+            widths = ", ".join(map(str, at))
+            ends = f"{at[min(at)]:.4g} → {at[max(at)]:.4g}" if at else "-"
+            text.append(f"| {g.name} | {layer} | {seeds} | {widths} | {g.step} | {value:.3f} | {ends} |")
+    if max_slope is not None:
+        text += ["", f"`--max-slope {max_slope:g}`: " + (
+            "passed." if not over else f"{len(over)} layer(s) over: " +
+            ", ".join(f"{layer} ({g.name}: {v:.3f})" for g, layer, v in over) + ".")]
+    if left_out:
+        text += ["", f"Left out ({len(left_out)}: failed, incomplete, or without a width override):", ""]
+        text += [f"- `{j.shown_path}`: {j.error or 'no width override (' + ' or '.join(width_keys) + ')'}"
+                 for j in left_out]
+    markdown = "\n".join(text) + "\n"
+    (out_dir / "report.md").write_text(markdown)
+    figure = coord_figure([(g.name, g.values) for g in groups],
+                          title="mean |x| of each layer's output against width (mean over seeds), per step")
+    save(figure, out_dir / "report.png")
+    return markdown, groups, over
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hookexp.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,8 +472,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="steps to reach a value, per job and per group; repeatable or comma-separated; "
                         "METRIC>=VALUE or METRIC<=VALUE gives the direction")
     parser.add_argument("--logx", action="store_true", help="steps on a log axis")
+    parser.add_argument("--coord", action="store_true", help="coordinate check of a width sweep: mean |x| per "
+                        "layer against width, and each layer's log-log slope")
+    parser.add_argument("--width", default=",".join(WIDTH_KEYS), help="--coord: the override keys that give a "
+                        "job's width, first found wins, comma-separated")
+    parser.add_argument("--max-slope", type=float, default=None, metavar="X", help="--coord: exit 1 when a "
+                        "layer's slope is above X")
     args = parser.parse_args(argv)
     split = (lambda s: tuple(x.strip() for x in s.split(",") if x.strip()))  # noqa: E731
+    if args.max_slope is not None and not args.coord:
+        parser.error("--max-slope is a bound of the coordinate check: add --coord.")
+    if args.coord:
+        try:
+            markdown, _, over = coord_check(args.dirs, args.out, split(args.width), args.max_slope)
+        except ConfigError as e:
+            parser.error(str(e))
+        print(markdown)
+        print(f"wrote {(args.out or args.dirs[0]) / 'report.md'} and report.png", file=sys.stderr)
+        if over:
+            group, layer, value = over[0]
+            more = f" (and {len(over) - 1} more layers)" if len(over) > 1 else ""
+            sys.exit(f"coordinate check failed: layer {layer} of group {group.name!r} has slope {value:.3f} above "
+                     f"--max-slope {args.max_slope:g}{more}")
+        return
     try:
         markdown, _, _ = report(args.dirs, args.out, split(args.metrics), split(args.curves), args.reach, args.logx)
     except ConfigError as e:

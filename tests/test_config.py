@@ -148,7 +148,7 @@ def test_every_experiment_composes_and_passes_the_dry_run(experiment):
     cfg = compose("config", overrides=[f"experiment={experiment}"])
     assert cfg.logger.group == experiment  # each study groups its W&B runs
     report = check_hooks(build(cfg, Dist(), CPU), OmegaConf.to_container(cfg.hooks, resolve=True))
-    assert report.ok and report.rows, report.errors
+    assert report.ok and (report.rows or not cfg.hooks), report.errors  # coord_check: statistics, no hooks
 
 
 def test_there_are_three_studies_with_their_results():

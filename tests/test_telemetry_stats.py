@@ -29,7 +29,15 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     return {"norm": g.norm().item(), "mean": g.mean().item(),
             "std": g.std().item() if g.numel() > 1 else NAN,  # torch warns, then gives NaN, for one element
             "min": g.min().item(), "max": g.max().item(),
-            "frac_zero": (g == 0).double().mean().item(), "frac_neg": (g < 0).double().mean().item()}
+            "frac_zero": (g == 0).double().mean().item(), "frac_neg": (g < 0).double().mean().item(),
+            "abs_mean": g.abs().mean().item(), "kurtosis": kurtosis(g)}
+
+
+def kurtosis(g: torch.Tensor) -> float:
+    """Pearson's: the mean 4th power of the deviations over the squared mean 2nd power; NaN without spread."""
+    c = g - g.mean()
+    m2 = c.square().mean()
+    return (c.pow(4).mean() / m2.square()).item() if g.isfinite().all() and m2 > 0 else NAN
 
 
 def describe(tensors: dict[str, torch.Tensor], **kwargs) -> dict:
@@ -47,7 +55,7 @@ def assert_stats(got: dict, tensors: dict[str, torch.Tensor], rel: float = 1e-9)
     for key, t in tensors.items():
         for stat, want in reference(t).items():
             value = got[f"{key}/{stat}"]
-            if stat in ("norm", "mean", "std"):
+            if stat in ("norm", "mean", "std", "abs_mean", "kurtosis"):
                 assert same(value, want, rel), (key, stat, value, want)
             else:
                 assert str(value) == str(want), (key, stat, value, want)
@@ -68,6 +76,19 @@ def test_every_statistic_equals_a_float64_reference(dtype):
     got = describe(tensors)
     assert_stats(got, tensors)
     assert set(got) == {f"{k}/{s}" for k in tensors for s in STATS}
+
+
+def test_abs_mean_and_kurtosis_of_known_distributions():
+    """Pearson's kurtosis (not excess): 3 for a normal, 1.8 for a uniform, 1 for two equally likely values."""
+    torch.manual_seed(0)
+    got = describe({"normal": torch.randn(200_000), "uniform": torch.rand(200_000) * 2 - 1,
+                    "two": torch.tensor([-2.0, 2.0] * 50), "constant": torch.full((9,), 4.0)})
+    assert got["normal/kurtosis"] == pytest.approx(3.0, abs=0.05)
+    assert got["normal/abs_mean"] == pytest.approx(math.sqrt(2 / math.pi), rel=0.01)
+    assert got["uniform/kurtosis"] == pytest.approx(1.8, abs=0.01)
+    assert got["uniform/abs_mean"] == pytest.approx(0.5, rel=0.01)
+    assert got["two/kurtosis"] == 1.0 and got["two/abs_mean"] == 2.0
+    assert math.isnan(got["constant/kurtosis"]) and got["constant/abs_mean"] == 4.0
 
 
 def test_the_spread_stays_exact_when_the_mean_dominates():
@@ -292,7 +313,7 @@ def _assert_equal(got: dict, want: dict, keys: set | None = None) -> None:
     for k, v in got.items():
         if k.endswith("/hist"):
             assert v[0].tolist() == want[k][0].tolist() and v[1].tolist() == want[k][1].tolist(), k
-        elif k.rsplit("/", 1)[1] in ("norm", "mean", "std"):
+        elif k.rsplit("/", 1)[1] in ("norm", "mean", "std", "abs_mean", "kurtosis"):
             assert same(v, want[k], 1e-6), (k, v, want[k])
         else:
             assert str(v) == str(want[k]), (k, v, want[k])  # min, max, fractions: exact

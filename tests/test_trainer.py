@@ -235,7 +235,7 @@ def test_compiled_and_eager_runs_log_the_same_statistics_every_log_step(tmp_path
     for e, c in zip(rows_eager, rows_compiled, strict=True):
         assert sorted(c) == sorted(e)
         assert {k for k in c if k.startswith("act/")} == {f"act/relu{i}/{s}" for i in (1, 2, 3)
-                                                          for s in ("mean", "std", "frac_zero")}
+                                                          for s in ("mean", "std", "abs_mean", "kurtosis", "frac_zero")}
     grads = [k for k in rows_eager[0] if k.startswith("grad/") and k.endswith(("/norm", "/mean", "/max"))]
     assert len(grads) == 3 * 8
     for e, c in zip(rows_eager, rows_compiled, strict=True):  # the values of every log step, not only the first

@@ -24,7 +24,9 @@ the weights, updates and optimizer states, which need nothing more, with one ``t
 (:func:`~hookexp.telemetry.stats.norms`: no float64 copy of six model-sized tensors; one all-reduce under
 FSDP). Nothing is read back: :func:`~hookexp.telemetry.readback.read` does that, with the other producers'
 values.
-Keys: ``grad/<param>/<stat>``, ``grad/global_norm``, ``act/<module>/{mean,std,frac_zero}``,
+Keys: ``grad/<param>/<stat>`` (norm, mean, std, min, max, frac_zero, frac_neg), ``grad/global_norm``,
+``act/<module>/{mean,std,abs_mean,kurtosis,frac_zero}`` (``abs_mean``: mean |x|; ``kurtosis``: Pearson's,
+E[(x - mean)^4] / std^4 with population moments, 3 for a normal distribution),
 ``param/<param>/norm``, ``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``,
 ``{grad,param,update}/group/<group>/norm``, and ``grad/<param>/hist`` / ``act/<module>/hist``.
 """
@@ -46,8 +48,10 @@ from hookexp.errors import ConfigError
 from hookexp.telemetry.readback import Pending
 from hookexp.telemetry.stats import STATS, TensorStats, norms
 
-ACT_STATS = ("mean", "std", "frac_zero")
+ACT_STATS = ("mean", "std", "abs_mean", "kurtosis", "frac_zero")
+GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
 _ACT_DROPPED = tuple(f"/{s}" for s in STATS if s not in ACT_STATS)  # what activations do not log
+_GRAD_DROPPED = tuple(f"/{s}" for s in STATS if s not in GRAD_STATS)  # what gradients do not log
 
 
 _TRAINER_KEYS = {"optimizer_state": "stats.optimizer", "optimizer": "Probes(optimizer=...)"}
@@ -192,8 +196,10 @@ class Probes:
 
     def _metrics(self, out: dict[str, Any], normed: dict[str, float]) -> dict[str, Any]:
         """The describer's ``<key>/<stat>`` values (``out``, completed in place) and the norms as the documented
-        metric keys: activations keep mean, std and fraction zero; the global and group norms are added."""
-        for key in [k for k in out if k.startswith("act/") and k.endswith(_ACT_DROPPED)]:
+        metric keys: activations keep mean, std, mean |x|, kurtosis and fraction zero, gradients all but the last
+        two; the global and group norms are added."""
+        for key in [k for k in out if (k.startswith("act/") and k.endswith(_ACT_DROPPED))
+                    or (k.startswith("grad/") and k.endswith(_GRAD_DROPPED))]:
             del out[key]
         grad_norms = {key[5:]: out[f"{key}/norm"] for key, _ in self.grads if f"{key}/norm" in out}
         found: dict[str, dict[str, float]] = {"grad": grad_norms, "param": {}, "update": {}, "weight": {}}

@@ -11,8 +11,10 @@ API::
 decoder of its host copy, so producers built on it (gradients, activations, parameters, updates, optimizer
 state) hand :func:`~hookexp.telemetry.readback.read` their values without reading them themselves. Per
 tensor: ``norm``, ``mean``, ``std`` (unbiased; NaN for one element), ``min``, ``max``, ``frac_zero``,
-``frac_neg`` (those of ``stats``), and with ``hist_bins`` > 0 a histogram over the tensor's [min, max]
-binned as ``torch.histc`` bins (the maximum in the last bin; one value: a unit-wide range around it),
+``frac_neg``, ``abs_mean`` (mean |x|), ``kurtosis`` (Pearson's, not excess: E[(x - mean)^4] / E[(x - mean)^2]^2
+with population moments, 3 for a normal distribution; NaN when every element is equal or any is NaN/Inf)
+(those of ``stats``), and with ``hist_bins`` > 0 a histogram over the tensor's [min, max] binned as
+``torch.histc`` bins (the maximum in the last bin; one value: a unit-wide range around it),
 counted on every element or, with ``hist_sample``, on a fixed subset of at most that many elements of
 each tensor (each rank's part of it) drawn once with replacement (``torch.randint(n, (hist_sample,),
 generator=torch.Generator().manual_seed(0))``), the counts scaled to the tensor's size. NaN counts as
@@ -22,9 +24,10 @@ has no histogram (its min/max say why); empty tensors have no keys; bf16/fp16 ar
 How: the tensors are joined into one float64 buffer of rows (float32 on MPS, which has no float64): one
 ``torch.cat``, each tensor filling whole rows, the tail of its last row padded. A dozen row-wise
 reductions and elementwise passes, then ``index_add_``/``scatter_reduce_`` over the rows, give each tensor
-its count, sum, squared deviations from its mean (two passes: exact however large the mean is against the
-spread), zeros, negatives, min and max; the histograms bin every element (or the sampled ones) in one
-pass and count them with one ``index_add_``. About 30 kernels, 50 with histograms, whatever the number
+its count, sum, sum of |x|, the 2nd, 3rd and 4th powers of its deviations from its mean (two passes: exact
+however large the mean is against the spread), zeros, negatives, min and max; the histograms bin every
+element (or the sampled ones) in one pass and count them with one ``index_add_``. About 35 kernels, 55
+with histograms, whatever the number
 of tensors, and nothing read back: that is :func:`read`'s one copy. While it runs, a log step holds two
 float64 copies of the described elements (and, for exact histograms, their float32 values and int64 bins);
 nothing is kept between log steps but each layout's index tensors.
@@ -33,8 +36,9 @@ Sharded tensors: a DTensor (FSDP2's ``fully_shard`` parameters and their ``.grad
 described from its local shard and placements, a plain tensor named in ``sharded`` as one rank's part of
 a tensor spread over ``group`` (e.g. activations of a data-parallel batch); other plain tensors are the
 same on every rank. When any tensor is sharded and the group has several ranks, each rank's per-tensor
-partials (count, sum, squared deviations, zeros, negatives, min, max) go through ONE all-gather
-(``all_gather_single``) and combine exactly (Chan et al.'s pairwise formula for the deviations); a
+partials (count, sum, deviations' powers, zeros, negatives, min, max, sum of |x|) go through ONE all-gather
+(``all_gather_single``) and combine exactly (each part's central moments moved to the common mean, Chan et
+al.'s and Pébay's formulas); a
 replicated tensor, or mesh dimension, counts on its first rank only. Histograms then bin each shard
 over the global range and sum the counts in ONE ``all_reduce``: 1 collective a log step, 2 with
 histograms, for all tensors together; none when nothing is sharded. Every rank must describe the same
@@ -55,8 +59,9 @@ import torch.distributed as dist
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.readback import Pending, wide_dtype
 
-STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
-COLUMNS = 7  # per row, tensor or rank: elements, sum, squared deviations, zeros, negatives, min, max
+STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg", "abs_mean", "kurtosis")
+COLUMNS = 10  # per row, tensor or rank: elements, sum, squared deviations, zeros, negatives, min, max, sum of |x|,
+#              cubed and 4th-power deviations
 
 
 def _nothing(host: np.ndarray) -> dict[str, Any]:
@@ -193,13 +198,14 @@ class _Layout:
 
 def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """``[tensors, COLUMNS]`` partials of this rank's elements (count, sum, squared deviations from the mean,
-    zeros, negatives, min, max), from row-wise reductions summed per tensor; ``x`` is used up. The pads,
-    zeros from ``torch.cat`` while the sums and signs are counted, are then set to their tensor's mean: they
-    keep min and max, and add nothing to the deviations. Two passes, the second's squares corrected by its sum
-    (shifted sums): exact however large the mean is against the spread, in float64 and in MPS's float32.
-    NaN is nonzero and not negative; min and max propagate it."""
+    zeros, negatives, min, max, sum of |x|, cubed and 4th-power deviations), from row-wise reductions summed
+    per tensor; ``x`` is used up. The pads, zeros from ``torch.cat`` while the sums, |x| and signs are counted,
+    are then set to their tensor's mean: they keep min and max, and add nothing to the deviations. Two passes,
+    the second's powers corrected by its sum (shifted sums): exact however large the mean is against the
+    spread, in float64 and in MPS's float32. NaN is nonzero and not negative; min and max propagate it."""
     seg, n = layout.row_seg, len(layout.sizes)
     total = x.sum(1)
+    absolute = torch.linalg.vector_norm(x, 1, dim=1)  # sum of |x|, without a copy of x
     sign = x.nan_to_num(1.0).sign_()  # NaN as +1: nonzero, not negative
     balance = sign.sum(1)  # positives - negatives
     nonzero = sign.abs_().sum(1)  # positives + negatives
@@ -209,12 +215,22 @@ def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
     if len(layout.pad_at):
         x.view(-1).index_put_((layout.pad_at,), shift[layout.pad_row])
     lo, hi = x.amin(1), x.amax(1)
-    deviations = x.sub_(shift[:, None]).sum(1)  # what the mean's rounding leaves: taken out of the squares
-    squares = x.square_().sum(1)
-    rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, (nonzero - balance) / 2], 1)
+    deviations = x.sub_(shift[:, None]).sum(1)  # what the mean's rounding leaves: taken out of the powers
+    square = x.square()
+    squares = square.sum(1)
+    cubes = x.mul_(square).sum(1)
+    fourths = square.square_().sum(1)
+    del square
+    rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, (nonzero - balance) / 2, absolute,
+                        cubes, fourths], 1)
+    sums = x.new_zeros(n, rows.shape[1]).index_add_(0, seg, rows)
+    e = x.new_zeros(n).index_add_(0, seg, deviations) / layout.sizes.clamp_min(1)  # the mean's rounding
+    s2, s3, s4 = sums[:, 2], sums[:, 6], sums[:, 7]
     out = x.new_zeros(n, COLUMNS)
-    out[:, :5].index_add_(0, seg, rows)
-    out[:, 2] -= x.new_zeros(n).index_add_(0, seg, deviations).square_() / layout.sizes.clamp_min(1)
+    out[:, [0, 1, 3, 4, 7]] = sums[:, [0, 1, 3, 4, 5]]
+    out[:, 2] = s2 - layout.sizes * e * e
+    out[:, 8] = s3 - 3 * e * s2 + 2 * layout.sizes * e ** 3
+    out[:, 9] = s4 - 4 * e * s3 + 6 * e * e * s2 - 3 * layout.sizes * e ** 4
     out[:, 5] = x.new_full((n,), math.inf).scatter_reduce_(0, seg, lo, "amin")
     out[:, 6] = x.new_full((n,), -math.inf).scatter_reduce_(0, seg, hi, "amax")
     return out
@@ -222,11 +238,14 @@ def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
 
 def _combine(parts: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     """The ranks' partials (``[ranks * n, COLUMNS]``) of the ``n`` tensors ``seg`` assigns them to, combined:
-    squared deviations by Chan et al.'s formula, the parts' own plus count x (part mean - mean)^2."""
+    each part's central moments moved to the common mean (d = part mean - mean) and summed: M2 + c d^2,
+    M3 + 3 d M2 + c d^3, M4 + 4 d M3 + 6 d^2 M2 + c d^4 (c: the part's count)."""
     out = parts.new_zeros(n, COLUMNS).index_add_(0, seg, parts)
-    count = parts[:, 0]
-    spread = (parts[:, 1] / count.clamp_min(1) - (out[:, 1] / out[:, 0].clamp_min(1))[seg]) ** 2
-    out[:, 2].index_add_(0, seg, count * spread)
+    count, m2, m3 = parts[:, 0], parts[:, 2], parts[:, 8]
+    d = parts[:, 1] / count.clamp_min(1) - (out[:, 1] / out[:, 0].clamp_min(1))[seg]
+    out[:, 2].index_add_(0, seg, count * d ** 2)
+    out[:, 8].index_add_(0, seg, 3 * d * m2 + count * d ** 3)
+    out[:, 9].index_add_(0, seg, 4 * d * m3 + 6 * d ** 2 * m2 + count * d ** 4)
     out[:, 5] = out.new_full((n,), math.inf).scatter_reduce_(0, seg, parts[:, 5], "amin")
     out[:, 6] = out.new_full((n,), -math.inf).scatter_reduce_(0, seg, parts[:, 6], "amax")
     return out
@@ -260,14 +279,15 @@ def _decode(host: np.ndarray, layout: _Layout, stats: list[str], bins: int) -> d
     """The decoder of :meth:`TensorStats.describe`'s values: metrics and histograms by key."""
     n_tensors = len(layout.keys)
     table = np.asarray(host[:n_tensors * COLUMNS], dtype=np.float64).reshape(n_tensors, COLUMNS)
-    n, total, squares, zeros, negs, lo, hi = table.T
+    n, total, squares, zeros, negs, lo, hi, absolute, _, fourths = table.T
     has_nan = np.isnan(lo) | np.isnan(hi)
     finite = np.isfinite(lo) & np.isfinite(hi)
     with np.errstate(all="ignore"):
         col = {"norm": np.where(finite, np.sqrt(squares + total * total / n), np.where(has_nan, np.nan, np.inf)),
                "mean": np.where(has_nan, np.nan, total / n),
                "std": np.where(finite & (n > 1), np.sqrt(np.maximum(squares, 0.0) / (n - 1)), np.nan),
-               "min": lo, "max": hi, "frac_zero": zeros / n, "frac_neg": negs / n}
+               "min": lo, "max": hi, "frac_zero": zeros / n, "frac_neg": negs / n, "abs_mean": absolute / n,
+               "kurtosis": np.where(finite & (squares > 0), n * fourths / (squares * squares), np.nan)}
     rows = np.stack([col[s] for s in stats], 1).tolist()
     out: dict[str, Any] = {k: v for i in np.flatnonzero(n).tolist()
                            for k, v in zip(layout.keys[i], rows[i], strict=True)}
