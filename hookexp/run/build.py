@@ -269,6 +269,7 @@ class Parts:
     ranks: Dist
     total_steps: int
     accumulate: int
+    limit: str = ""  # what sets total_steps, e.g. "trainer.max_steps=4000" (the final log line says it)
 
 
 def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
@@ -324,10 +325,10 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     accumulate = cfg.trainer.accumulate
     if accumulate < 1:
         raise ConfigError(f"must be at least 1, got {accumulate}.", key="trainer.accumulate")
-    total_steps = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
+    total_steps, limit = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
     scheduler = build_scheduler(cfg, optimizer, total_steps, overrides)
     return Parts(model, optimizer, scheduler, task, loaders, OmegaConf.to_container(model_cfg),  # type: ignore[arg-type]
-                 device, ranks, total_steps, accumulate)
+                 device, ranks, total_steps, accumulate, limit)
 
 
 class MixedPrecision:

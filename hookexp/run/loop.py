@@ -348,6 +348,8 @@ def shut_down(cfg: DictConfig, run_dir: Path, status: str, loop: LoopState, part
         "runtime_s": time.perf_counter() - started, "perf/train_loop_s": loop.train_s,
         "run_dir": str(run_dir), **telemetry.summary(), **calls,
     })
+    if status == "finished":
+        summary["trainer/stopped_by"] = parts.limit  # the limit that ended the run, e.g. trainer.max_steps=4000
     if parts.ranks.enabled and status != "failed":
         summary.update({"dist/world_size": parts.ranks.world_size, "dist/strategy": parts.ranks.strategy})
         if not parts.ranks.sharded:  # replicas: they must hold the same parameters (FSDP's ranks hold shards)
