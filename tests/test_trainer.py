@@ -370,6 +370,18 @@ def test_a_transform_that_cuts_the_graph_warns_and_is_named_when_backward_finds_
                      "trainer.max_steps=2"), tmp_path / "last")
 
 
+def test_a_transform_that_starts_cutting_the_graph_at_a_later_step_is_named_with_that_step(tmp_path: Path):
+    """Issue 27.16: the graph is whole until step 3, where the spec's window starts."""
+    from hookexp.errors import HookWarning, TransformOutputError
+
+    spec = "+hooks.cut={target:fc2,kind:forward,transform:{_target_:user_transforms.detached},start_step:3}"
+    cut = r"hooks\.cut: .* cut from the autograd graph at target 'fc2' at step 3 "
+    with pytest.warns(HookWarning, match=cut), pytest.raises(TransformOutputError) as raised:
+        train(config(spec, "trainer.max_steps=6"), tmp_path)
+    assert str(raised.value).startswith("hooks.cut.transform: the loss does not require grad: the transform cut the "
+                                        "output from the autograd graph at 'fc2' (cut, at step 3) ")
+
+
 def test_the_python_api_stays_the_same_functions_after_a_run(tmp_path: Path):
     """hookexp.run.train is a function; the loop's module has another name, so importing it cannot replace it."""
     from hookexp.run import compose

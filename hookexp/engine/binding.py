@@ -86,7 +86,7 @@ class SpecBinding:
         self._calls_at_step_start = 0
         self.records: list[Record] = []
         self.notes: dict[str, set[str]] = {}
-        self.cut_sites: list[str] = []  # targets where the transform cut its output from the autograd graph
+        self.cut_sites: dict[str, int | None] = {}  # target -> the step the transform first cut it from the graph
         self.emitted: dict[str, list[torch.Tensor]] = {}  # ctx.emit() measurements since the last stats()
         self._effect_sum: torch.Tensor | None = None  # [sum |y-x|, sum cos(x, y), elements changed], on device
         self._same = 0  # measured tensors the transform returned unchanged: change 0, cosine 1, nothing changed
@@ -265,13 +265,14 @@ class SpecBinding:
         (``.detach()``, ``.data``) otherwise: a one-time warning, and the name :meth:`HookHandle.explain` gives
         when torch then finds a loss without a graph."""
         if site.name not in self.cut_sites:
-            self.cut_sites.append(site.name)
+            self.cut_sites[site.name] = None if self.clock.ignore_schedule else self.clock.step
             if not self.clock.ignore_schedule:
                 warnings.warn(HookWarning(
                     f"hooks.{self.spec.name}: transform {self.transform.name!r} returned a tensor cut from the "
-                    f"autograd graph at target {site.name!r} (its input requires grad, its output does not), so "
-                    "nothing before it gets a gradient through it. Intended for a stop-gradient or an ablation; "
-                    "otherwise return a result computed from the input (not x.detach() or x.data)."), stacklevel=3)
+                    f"autograd graph at target {site.name!r} at step {self.clock.step} (its input requires grad, its "
+                    "output does not), so nothing before it gets a gradient through it. Intended for a stop-gradient "
+                    "or an ablation; otherwise return a result computed from the input (not x.detach() or x.data)."),
+                    stacklevel=3)
 
     def saw_nothing(self, site: Site, why: str) -> None:
         """The transform saw no tensor on this call: a dry-run error, and a one-time warning in training."""

@@ -417,15 +417,16 @@ class HookHandle:
 
     def _explain_cut(self) -> HookexpError | None:
         """backward() found a loss without a graph: name the specs whose transforms cut their output from it."""
-        cut = [(b.spec.name, site) for b in self.bindings for site in b.cut_sites]
+        cut = [(b.spec.name, site, step) for b in self.bindings for site, step in b.cut_sites.items()]
         if not cut:
             return None
-        where = ", ".join(f"{site!r} ({name})" for name, site in cut)
+        where = ", ".join(f"{site!r} ({name}{'' if step is None else f', at step {step}'})"
+                          for name, site, step in cut)
         return TransformOutputError(
             f"the loss does not require grad: the transform cut the output from the autograd graph at {where} "
             "(its input required grad, its output does not: .detach(), .data, torch.no_grad() or a constant), and "
             "nothing after it has parameters to train. Return a result computed from the input, or move the hook "
-            "to evaluation (phase: eval).", spec=cut[0][0] if len({n for n, _ in cut}) == 1 else None,
+            "to evaluation (phase: eval).", spec=cut[0][0] if len({n for n, _, _ in cut}) == 1 else None,
             field="transform")
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
