@@ -263,11 +263,12 @@ class HookHandle:
             s.calls += 1
         if before is not None:
             with torch.no_grad():
-                rows = effect_rows(before, grads)
+                rows = effect_rows(before, grads, shards)  # under FSDP: of the whole tensors
+            sizes = [g.numel() if part is None else part.numel for g, part in local]
             start = 0
             for i, (s, _) in enumerate(live):  # the group's rows summed per spec
                 if i + 1 == len(live) or live[i + 1][0].binding is not s.binding:
-                    numel = sum(g.numel() for g in grads[start:i + 1])
+                    numel = sum(sizes[start:i + 1])
                     s.binding.add_effects(rows[start:i + 1].sum(dim=0), i + 1 - start, numel)
                     start = i + 1
 
