@@ -136,8 +136,9 @@ def preflight(parts: Parts) -> None:
                      type(batch).__name__)
             raise ConfigError(f"the model cannot take a training batch: {e}. The batch is {given}: a mapping's entries "
                               "go to forward's parameters of the same names, a tuple's elements but the last "
-                              "(the target) go positionally. Name the data's keys after forward's parameters, or "
-                              "return (inputs, target) pairs.", key="data.dataset") from None
+                              "(the target) go positionally. Name the data's keys after forward's parameters, "
+                              "return (inputs, target) pairs, or say which entry goes to which parameter: "
+                              "task.inputs={idx: input_ids}.", key="data.dataset") from None
         parts.task.sums(output, batch, parts.task.loss(output, batch))
     finally:
         parts.model.train()
