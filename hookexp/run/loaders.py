@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.run.distributed import Dist
 
-# data-level keys every option has; any other key at data level belongs to the option and must be used by it
 DEFAULT_EPOCHS = 10  # trainer.epochs: null means this many epochs, unless trainer.max_steps is set
+# data-level keys every option has; any other key at data level belongs to the option and must be used by it
 COMMON_KEYS = ("batch_size", "eval_batch_size", "num_workers", "val_fraction", "split_seed", "collate_fn", "dataset",
                "name", "pin_memory")
 
