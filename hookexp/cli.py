@@ -137,8 +137,8 @@ def run(cfg: DictConfig) -> Any:
         sys.exit(128 + int(summary["signal"]))
     shown = ", ".join(f"{k}={v:.4g}" for k, v in summary.items()
                       if k.startswith(("train/", "val/")) and isinstance(v, float))
-    log.info("finished %d steps in %.1f s: %s; run directory: %s", summary["trainer/steps"], summary["runtime_s"],
-             shown, run_dir)
+    log.info("finished %d steps (%s reached) in %.1f s: %s; run directory: %s", summary["trainer/steps"],
+             summary.get("trainer/stopped_by", "the last step"), summary["runtime_s"], shown, run_dir)
     for key in ("val/acc", "val/loss"):
         if isinstance(summary.get(key), float):
             return summary[key] if key == "val/acc" else -summary[key]

@@ -38,8 +38,8 @@ class FsdpConfig:
 
 @dataclass
 class TrainerConfig:
-    epochs: int = 10
-    max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps
+    epochs: Optional[int] = None  # noqa: UP045 - passes over the data; null: 10, unless max_steps is set
+    max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps (lifts the default epochs)
     accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation; DDP syncs on the last)
     clip_grad_norm: Optional[float] = None  # noqa: UP045 - global gradient-norm clip, after the pre_step specs
     eval_every: Optional[int] = None  # noqa: UP045 - also validate every N steps (besides each epoch's end)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 from hookexp.errors import ConfigError, did_you_mean
 
@@ -150,6 +150,47 @@ def _pair(train: Any, val: Any, key: str) -> Splits:
     # TensorSets hand out whole batches; torch's default_collate would stack them again
     collate = whole_batch if isinstance(train, TensorSet) and isinstance(val, TensorSet) else None
     return Splits(train, val, {}, collate)
+
+
+def labels_of(ds: Any) -> torch.Tensor | None:
+    """Every label of a map-style set: a TensorSet's ``y``, a TensorDataset's last tensor, else each example's
+    last element (a tuple) or ``labels`` / ``label`` (a mapping). None when it cannot be known: an iterable
+    set (it can be read once, as it streams), or examples without labels."""
+    if _is_iterable_only(ds):
+        return None
+    if isinstance(ds, TensorSet):
+        return ds.y
+    if isinstance(ds, TensorDataset):
+        return ds.tensors[-1] if len(ds.tensors) > 1 else None
+    if isinstance(ds, Subset):
+        inner = labels_of(ds.dataset)
+        return None if inner is None else inner[torch.as_tensor(ds.indices, dtype=torch.long)]
+    labels = []
+    for i in range(len(ds)):
+        example = ds[i]
+        if isinstance(example, Mapping):
+            label = example.get("labels", example.get("label"))
+        else:
+            label = example[-1] if isinstance(example, (tuple, list)) and len(example) > 1 else None
+        if label is None:
+            return None
+        labels.append(torch.as_tensor(label))
+    return torch.stack(labels) if labels else None
+
+
+def classes_in(*sets: Any) -> int | None:
+    """The number of classes map-style sets' integer labels imply (the largest label + 1); None when a set's
+    labels cannot be known or are not class indices (floats, negative)."""
+    found = -1
+    for ds in sets:
+        if ds is None:
+            continue
+        labels = labels_of(ds)
+        if labels is None or labels.is_floating_point() or labels.is_complex() or labels.numel() == 0 \
+                or labels.dtype == torch.bool or int(labels.min()) < 0:
+            return None
+        found = max(found, int(labels.max()))
+    return found + 1 if found >= 0 else None
 
 
 def check_fraction(value: Any, key: str) -> float:

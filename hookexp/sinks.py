@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -81,10 +82,28 @@ def write_json_atomic(path: Path, data: Any) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def free_space(path: Path) -> str:
+    """The free space of the file system that holds ``path`` (its nearest existing folder), e.g. ``1.5 MiB``."""
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = float(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown"
+    if free < 1024:
+        return f"{free:.0f} B"
+    units = ("KiB", "MiB", "GiB", "TiB")
+    power = min((int(free).bit_length() - 1) // 10, len(units))
+    return f"{free / 1024 ** power:.1f} {units[power - 1]}"
+
+
 def files_error(path: Path, error: OSError, run_dir: Path | None = None) -> RunFilesError:
     why = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file size limit is reached",
            errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
            errno.EDQUOT: "the disk quota is exceeded"}.get(error.errno or 0, error.strerror or str(error))
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        why += f" ({free_space(path)} free there)"
     return RunFilesError(f"cannot write {path}: {why}. Everything written before is intact (the run's files end "
                          "with whole lines); free space or fix the permissions, then continue with resume=true "
                          f"hydra.run.dir={run_dir or path.parent} (from its last checkpoint).")

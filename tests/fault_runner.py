@@ -7,6 +7,8 @@ Modes:
 - ``kill_in_metrics:N``: the N-th flush of the run's JSON lines writes half its bytes, then SIGKILL.
 - ``kill_in_shutdown``: SIGKILL while the final plot is drawn (after training and validation).
 - ``term_in_shutdown``: SIGTERM to itself while the final plot is drawn; the shutdown must go on.
+- ``enospc_in_checkpoint:N``: the N-th checkpoint file fills the disk after 100 bytes (OSError ENOSPC inside
+  torch.save, which torch's zip writer turns into a RuntimeError).
 - ``fsize:BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE; writes past it fail with EFBIG): a full disk.
 """
 
@@ -83,6 +85,22 @@ def main() -> None:
             return real_plot(*a, **k)
 
         train.plot_grad_norms = plot
+    elif name == "enospc_in_checkpoint":
+        import errno
+        import io
+
+        from hookexp.run import checkpoint
+
+        class Full(io.FileIO):
+            def write(self, data):
+                if self.tell() + len(data) > 100:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return super().write(data)
+
+        def opened(hit, path, mode="r", *a, **k):
+            return Full(path, mode) if hit else open(path, mode, *a, **k)
+
+        checkpoint.open = _after(int(value), opened)  # type: ignore[attr-defined]
     elif name == "fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.RLIM_INFINITY))

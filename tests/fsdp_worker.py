@@ -12,7 +12,8 @@ transforms are positively homogeneous (scale, clamp at 0); the parameter kinds a
 averaged gradient's shard, as the unsharded ones act on the whole batch's gradient.
 
 Rank 0 writes, per case: the losses of both runs, the largest parameter difference between them and between the
-hooked and the hook-free unsharded runs (the hooks must matter), each run's hook calls, or the error.
+hooked and the hook-free unsharded runs (the hooks must matter), each run's hook calls and hook effects (rank 0's:
+under FSDP they must describe the whole tensors, not its shards), or the error.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
-def train(net: torch.nn.Module, spec: dict | None, part: slice, world: int) -> tuple[list[float], dict]:
-    """STEPS SGD steps on rows ``part`` of each batch; the losses (averaged over ranks) and the hooks' calls."""
+def train(net: torch.nn.Module, spec: dict | None, part: slice, world: int) -> tuple[list[float], dict, dict]:
+    """STEPS SGD steps on rows ``part`` of each batch; the losses (averaged over ranks), the hooks' calls and what
+    they did on the measured step (change_norm, cosine, frac_changed)."""
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     hooks = attach(net, {"h": spec} if spec else {}, opt, measure=False)
     losses = []
@@ -80,9 +82,12 @@ def train(net: torch.nn.Module, spec: dict | None, part: slice, world: int) -> t
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world)
-    calls = {name: row["calls"] for name, row in hooks.stats().items()}
+    stats = hooks.stats()
+    calls = {name: row["calls"] for name, row in stats.items()}
+    effects = {name: {k: row[k] for k in ("change_norm", "cosine", "frac_changed") if k in row}
+               for name, row in stats.items()}
     hooks.remove()
-    return losses, calls
+    return losses, calls, effects
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -99,11 +104,12 @@ def main() -> None:
         row: dict = {}
         try:
             sharded = shard(model(), FSDP, ranks, torch.device("cpu"))
-            row["sharded_losses"], row["sharded_calls"] = train(sharded, spec, slice(2 * rank, 2 * rank + 2), world)
+            row["sharded_losses"], row["sharded_calls"], row["sharded_effects"] = train(
+                sharded, spec, slice(2 * rank, 2 * rank + 2), world)
             params = {n: full(p.detach()) for n, p in sharded.named_parameters()}
             if rank == 0:
                 plain, bare = model(), model()
-                row["losses"], row["calls"] = train(plain, spec, slice(0, 4), 1)
+                row["losses"], row["calls"], row["effects"] = train(plain, spec, slice(0, 4), 1)
                 train(bare, None, slice(0, 4), 1)
                 ref = dict(plain.named_parameters())
                 row["param_diff"] = max(float((params[n] - ref[n].detach()).abs().max()) for n in ref)

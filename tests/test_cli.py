@@ -98,6 +98,21 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     assert not (workdir / "run").exists()
 
 
+def test_an_explicit_max_steps_lifts_the_default_epochs_and_the_final_line_names_the_limit(workdir):
+    """Issue 27.5: 2 steps an epoch (1437 examples, batches of 720): the default 10 epochs would stop at 20."""
+    common = ["logger=none", "data.batch_size=720", "stats.every=100"]
+    done = run_cli([*common, "trainer.max_steps=25", "hydra.run.dir=steps"], workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((workdir / "steps" / "summary.json").read_text())
+    assert (summary["trainer/steps"], summary["trainer/stopped_by"]) == (25, "trainer.max_steps=25")
+    last = (workdir / "steps" / "cli.log").read_text().splitlines()[-1]
+    assert "finished 25 steps (trainer.max_steps=25 reached) in " in last
+    both = run_cli([*common, "trainer.max_steps=25", "trainer.epochs=3", "hydra.run.dir=both"], workdir)
+    assert both.returncode == 0, both.stderr[-3000:]
+    last = (workdir / "both" / "cli.log").read_text().splitlines()[-1]
+    assert "finished 6 steps (trainer.epochs=3 reached) in " in last
+
+
 def test_an_invalid_wandb_mode_in_the_environment_is_named(workdir, monkeypatch):
     done = run_cli(["trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_MODE": ""})
     assert done.returncode == 2

@@ -605,3 +605,19 @@ def test_torchvision_option_reaches_the_factory(hydra_conf, monkeypatch, tmp_pat
 def test_text_file_needs_a_path(hydra_conf):
     cfg = compose("config", overrides=["data=text_file"])
     assert OmegaConf.is_missing(cfg.data, "path")
+
+
+def test_classes_in_reads_the_labels_of_map_style_sets_only():
+    """Issue 27.9: what model.num_classes=auto reads from a user's own data (largest label + 1)."""
+    from torch.utils.data import Subset
+
+    from hookexp.data import classes_in
+
+    pairs = TensorDataset(torch.zeros(6, 2), torch.tensor([0, 2, 1, 7, 0, 1]))
+    assert classes_in(pairs) == 8
+    assert classes_in(Subset(pairs, [0, 1, 2])) == 3
+    assert classes_in([{"x": torch.zeros(2), "labels": 3}, {"x": torch.zeros(2), "labels": 1}], pairs) == 8
+    assert classes_in([(torch.zeros(2), torch.tensor(4))]) == 5
+    assert classes_in(TensorDataset(torch.zeros(2, 2), torch.tensor([0.5, 1.0]))) is None  # regression targets
+    assert classes_in(Stream()) is None  # iterable: cannot be known without reading it
+    assert classes_in(TensorDataset(torch.zeros(2, 2))) is None  # no labels

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,11 +184,26 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_o
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
-    with pytest.raises(RunFilesError, match=r"^cannot write .*checkpoints.*: the disk is full\. Everything written "
-                                            r"before is intact"):
+    with pytest.raises(RunFilesError, match=r"^cannot write .*checkpoints.*: the disk is full \(.* free there\)\. "
+                                            r"Everything written before is intact"):
         train(config("trainer.max_steps=6", "trainer.checkpoint_every=2", "resume=true"), tmp_path)
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == good
     assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+
+
+def test_a_disk_full_inside_a_checkpoint_write_is_one_paragraph_and_keeps_the_last_checkpoint(tmp_path):
+    """Issue 27.14: ENOSPC inside torch.save (torch wraps it in a RuntimeError) on the 2nd checkpoint (step 4)."""
+    done = fault(tmp_path, "enospc_in_checkpoint:2", "trainer.max_steps=6", "trainer.checkpoint_every=2",
+                 "logger=none", "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "inline_container" not in done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert re.fullmatch(
+        rf"hookexp: error: cannot write {re.escape(str(checkpoints / 'last.pt'))}: the disk is full \(\d+(\.\d)? "
+        r"(B|KiB|MiB|GiB|TiB) free there\)\. Everything written before is intact .*", error), error
+    assert torch.load(checkpoints / "last.pt", weights_only=True)["loop"]["step"] == 2  # the previous one, whole
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.pt"]  # no temporary file left
 
 
 @pytest.mark.parametrize("damage", ["flip", "empty", "no_hooks"])

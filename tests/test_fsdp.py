@@ -123,6 +123,18 @@ def test_parameter_kinds_act_on_the_reduced_shard_and_clip_by_the_global_norm(ki
     check_kind(kinds[case])
 
 
+@pytest.mark.parametrize("case", PARAMETER_KINDS)
+def test_parameter_kinds_measure_the_whole_tensor_not_the_shard(kinds, case):
+    """Issue 27.15: the hook effects (hook/<spec>/change_norm, cosine, frac_changed) of a parameter kind on the
+    sharded model equal the unsharded model's: squared norms and counts are summed over the shards."""
+    row = kinds[case]
+    assert "error" not in row, row.get("traceback", row.get("error"))
+    (effects,) = row["effects"].values()
+    (sharded,) = row["sharded_effects"].values()
+    assert set(effects) == {"change_norm", "cosine", "frac_changed"} and effects["change_norm"] > 1e-4
+    assert sharded == pytest.approx(effects, rel=1e-5, abs=1e-7)
+
+
 def test_kinds_that_cannot_work_on_sharded_parameters_are_refused_naming_the_kind_to_use(tmp_path):
     specs = ["+hooks.local={target:'*.bias',kind:grad,transform:clamp,args:{min:0.0}}",
              "+hooks.later={target:head.weight,kind:grad,transform:record}",
@@ -344,6 +356,11 @@ def test_two_fsdp_ranks_log_the_statistics_of_the_unsharded_gradients(two_ranks)
             "update/blocks.0.mlp.fc.weight/ratio", "act/blocks.1.mlp/std"} <= set(single[1])
     for a, b in zip(fsdp, single, strict=True):
         for key in [k for k in b if k.startswith(families)]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+    clip = {"hook/clip/change_norm", "hook/clip/cosine", "hook/clip/frac_changed"} if CLIP else set()
+    assert clip <= {k for r in single for k in r}
+    for a, b in zip(fsdp, single, strict=True):  # issue 27.15: the pre_step clip's effects, of the whole tensors
+        for key in [k for k in b if k in clip]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
     hists = [read_jsonl(two_ranks / run / "histograms.jsonl") for run in ("sweep/0", "single")]
     assert len(hists[0]) == len(hists[1]) == 6

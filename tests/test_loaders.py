@@ -50,8 +50,18 @@ def test_an_epoch_restarted_at_a_batch_gives_the_remaining_batches_exactly(worke
     assert [y.tolist() for _, y in data.epoch(3, start_batch=4)] == full[4:]
     assert sorted(i for batch in full for i in batch) == list(range(50))
     assert full != [y.tolist() for _, y in data.epoch(4)]
-    assert data.total_steps(epochs=2, max_steps=None, accumulate=3) == 2 * 3  # ceil(7 / 3) steps an epoch
-    assert data.total_steps(epochs=2, max_steps=5, accumulate=1) == 5
+    assert data.total_steps(epochs=2, max_steps=None, accumulate=3) == (2 * 3, "trainer.epochs=2")  # ceil(7/3) an epoch
+    assert data.total_steps(epochs=2, max_steps=5, accumulate=1) == (5, "trainer.max_steps=5")
+
+
+def test_an_explicit_max_steps_lifts_the_default_epoch_limit_and_both_explicit_the_first_reached_ends():
+    """Issue 27.5: 7 batches an epoch; epochs=None is the default of 10 epochs (70 steps)."""
+    data = loaders(0)
+    assert data.total_steps(epochs=None, max_steps=None, accumulate=1) == (70, "the default 10 epochs")
+    assert data.total_steps(epochs=None, max_steps=4000, accumulate=1) == (4000, "trainer.max_steps=4000")
+    assert data.total_steps(epochs=None, max_steps=3, accumulate=1) == (3, "trainer.max_steps=3")
+    assert data.total_steps(epochs=10, max_steps=4000, accumulate=1) == (70, "trainer.epochs=10")
+    assert data.total_steps(epochs=10, max_steps=30, accumulate=1) == (30, "trainer.max_steps=30")
 
 
 class Stream(IterableDataset):
@@ -66,7 +76,7 @@ def test_an_iterable_set_is_read_as_it_streams_and_skipped_on_resume():
     assert data.validation() is None
     with pytest.raises(ConfigError, match=r"^trainer\.max_steps: is needed with an iterable data set"):
         data.total_steps(epochs=1, max_steps=None, accumulate=1)
-    assert data.total_steps(epochs=1, max_steps=30, accumulate=1) == 30
+    assert data.total_steps(epochs=1, max_steps=30, accumulate=1) == (30, "trainer.max_steps=30")
 
 
 def test_batches_move_to_the_device_keeping_their_types():

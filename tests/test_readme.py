@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).parents[1] / "README.md"
 BIN = Path(sys.executable).parent
 
@@ -51,3 +53,47 @@ def test_your_own_model_data_and_loss_runs_as_the_readme_shows(tmp_path: Path):
     assert len(summaries) == 3 and all(s["status"] == "finished" and s["val/acc"] > 0.9 for s in summaries)
     manifests = [json.loads(p.read_text()) for p in tmp_path.glob("outputs/**/manifest.json")]
     assert all(m["config"]["model"] == {"_target_": "mynet.Net", "hidden": 64} for m in manifests[:2])
+
+
+def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path: Path):
+    """Issue 27.22: nanoGPT's GPT (tests/nanogpt.py as the user's model.py), trained with the README's command
+    (smaller); its losses, gradients and hook effects equal those of the adapter a user had to write before (the
+    whole logits, under task=causal_lm), step for step."""
+    from conftest import TESTS, read_jsonl
+    from hydra import compose, initialize_config_module
+
+    from hookexp.run.loop import train
+
+    text = section("A model that computes its own loss")
+    files = {body.splitlines()[0][2:].strip(): body for lang, body in blocks(text) if lang == "yaml"}
+    assert set(files) == {"myconf/model/nanogpt.yaml"}
+    (tmp_path / "myconf" / "model").mkdir(parents=True)
+    (tmp_path / "myconf" / "model" / "nanogpt.yaml").write_text(files["myconf/model/nanogpt.yaml"])
+    (tmp_path / "model.py").write_text((TESTS / "nanogpt.py").read_text())
+    (tmp_path / "input.txt").write_text((TESTS / "conftest.py").read_text() * 2)
+    (command,) = [line for lang, body in blocks(text) if lang == "bash" for line in body.splitlines() if line]
+    small = ["model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=32", "data.block_size=17",
+             "data.batch_size=8", "trainer.max_steps=6", "stats.every=2", "logger=none", "trainer.progress=false",
+             "hydra.run.dir=run"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_MODE")}  # found from the cwd
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    done = subprocess.run(["bash", "-c", f"{command} {shlex.join(small)}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
+
+    adapter = ["task=causal_lm", "data=text_file", f"data.path={tmp_path / 'input.txt'}",
+               "model._target_=nanogpt.Adapter",
+               "+model.config={_target_:nanogpt.GPTConfig,vocab_size:auto,block_size:auto,n_layer:2,n_head:2,"
+               "n_embd:32,dropout:0.0}", "+hooks.clip={target:gpt.transformer.h.*.mlp,kind:output_grad,"
+               "transform:clip_norm,args:{max_norm:0.01}}", *small[3:-1]]
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        train(compose("config", overrides=adapter), tmp_path / "adapter", adapter)
+    ours, theirs = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("run", "adapter"))
+    assert [r["trainer/step"] for r in ours] == [r["trainer/step"] for r in theirs]
+    keys = ["train/loss", "val/loss", "val/ppl", "grad/global_norm", "hook/clip/calls", "hook/clip/change_norm",
+            "hook/clip/cosine"]
+    assert {k for r in ours for k in r} >= set(keys) and not any("acc" in k for r in ours for k in r)
+    for a, b in zip(ours, theirs, strict=True):
+        for key in [k for k in keys if k in b]:
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key

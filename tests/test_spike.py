@@ -57,8 +57,22 @@ def test_the_recorder_compares_with_the_median_of_its_window():
     spike = rec.observe({"m": 9.0}, 4)
     assert (spike.step, spike.value, spike.median) == (4, 9.0, 2.3)  # the window is [5.0, 1.2, 2.3] now
     assert rec.logging_every_step(5) and rec.logging_every_step(6) and not rec.logging_every_step(7)
-    assert rec.observe({"m": 100.0}, 6) is None  # inside the window: not compared, not remembered
-    assert rec.observe({"m": float("nan")}, 7) is None and list(rec.history) == [5.0, 1.2, 2.3]
+    assert list(rec.history) == [1.2, 2.3, 9.0]  # the spike's value enters the window
+    assert rec.observe({"m": 100.0}, 6) is None  # inside the spike's steps: not compared, but remembered
+    assert rec.observe({"m": float("nan")}, 7) is None and list(rec.history) == [2.3, 9.0, 100.0]
+
+
+def test_a_lasting_rise_is_one_spike_and_the_median_follows_it():
+    """Issue 27.13: a loss at 0.17 that jumps to 0.3-2.8 and stays there (a collapse to chance) is one spike; the
+    median moves up to the new level with the values logged during and after the spike's steps."""
+    rec = SpikeRecorder.from_config({"metric": "m", "window": 5, "threshold": 3.0, "steps": 3}, [], [])
+    before = [0.17, 0.18, 0.1746, 0.16, 0.19]
+    after = [2.8, 2.1, 0.3, 1.9, 2.5, 1.7, 2.2, 0.9, 2.6, 2.0, 1.8, 2.4, 2.3, 1.1, 2.7]
+    spikes = [rec.observe({"m": v}, s) for s, v in enumerate(before + after)]
+    found = [(x.step, x.value, x.median) for x in spikes if x is not None]
+    assert found == [(5, 2.8, 0.1746)] and rec.found == 1
+    assert sorted(rec.history)[2] == 2.3  # the median of the last 5: [1.8, 2.4, 2.3, 1.1, 2.7]
+    assert rec.observe({"m": 2.3 * 3.5}, len(before + after)) is not None  # a real spike on the new level still is
 
 
 @pytest.mark.parametrize(("metric", "fix"), [

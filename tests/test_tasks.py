@@ -112,3 +112,64 @@ def test_wrong_batches_and_outputs_are_one_paragraph_errors():
     with pytest.raises(ConfigError, match=r"^task\.label_smoothing: needs 0 <= label_smoothing < 1"):
         Classification(label_smoothing=1.5)
     assert logits_of((torch.ones(1), "x")).shape == (1,)
+
+
+class OwnLoss(nn.Module):
+    """nanoGPT's contract: (logits, loss) with targets; (last position's logits, None) without."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 10)
+
+    def forward(self, idx, targets=None):
+        logits = self.emb(idx)
+        if targets is None:
+            return logits[:, [-1]], None
+        return logits, F.cross_entropy(logits.reshape(-1, 10), targets.reshape(-1))
+
+
+def test_task_inputs_map_shifted_batch_entries_to_forward_and_model_loss_takes_the_returned_loss():
+    """Issue 27.22: the loss is the model's own, computed from the shifted next tokens, exactly."""
+    torch.manual_seed(0)
+    model, tokens = OwnLoss(), torch.randint(0, 10, (3, 9))
+    task = CausalLM(inputs={"idx": "input_ids[:, :-1]", "targets": "input_ids[:, 1:]"}, model_loss=1)
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
+    output = task.forward(model, batch)
+    loss = task.loss(output, batch)
+    assert torch.equal(loss, F.cross_entropy(model.emb(tokens[:, :-1]).reshape(-1, 10), tokens[:, 1:].reshape(-1)))
+    assert task.metric_names == ("loss",) and CausalLM.metric_names == ("loss", "acc")
+    sums, n = task.sums(output, batch, loss)
+    assert n.item() == 3 and sums.tolist() == [pytest.approx(3 * loss.item())]
+    assert task.finish({"loss": 2.0}) == {"loss": 2.0, "ppl": math.exp(2.0)}
+    # the loss found by `true` in each form a model returns it, and by position or key
+    scalar = torch.tensor(1.5)
+    found = Task(model_loss=True)
+    for out in ((torch.zeros(2, 3), scalar), {"logits": torch.zeros(1), "loss": scalar},
+                Output(logits=torch.zeros(1), loss=scalar)):
+        assert found.loss(out, batch) == 1.5
+    assert Task(model_loss="nll").loss({"nll": scalar}, batch) == 1.5
+    assert Task(inputs={"x": 0}).inputs((torch.ones(2), torch.zeros(2)))[1]["x"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(("task", "batch", "message"), [
+    (lambda: CausalLM(inputs={"idx": "input_ids"}, model_loss=1), {"input_ids": torch.zeros(2, 4).long()},
+     "task.model_loss: the model's output has no loss at 1; it returned a tuple (Tensor[2, 1, 10], None). Pass the "
+     "targets the model computes its loss from (task.inputs, e.g. {idx: 'input_ids[:, :-1]', targets: "
+     "'input_ids[:, 1:]'}), or point model_loss at the loss: a tuple position (1 for (logits, loss)) or a key."),
+    (lambda: CausalLM(inputs={"idz": "input_ids"}), {"input_ids": torch.zeros(2, 4).long()},
+     "task.inputs.idz: OwnLoss.forward() has no parameter 'idz'. Did you mean 'idx'? Its parameters: idx, targets."),
+    (lambda: CausalLM(inputs={"idx": "input_idz[:, :-1]"}), {"input_ids": torch.zeros(2, 4).long()},
+     "task.inputs.idx: the batch has no entry 'input_idz': it has the keys ['input_ids']. Did you mean 'input_ids'?"),
+    (lambda: CausalLM(inputs={"idx": "input_ids[:, a:]"}), {},
+     "task.inputs.idx: 'input_ids[:, a:]': cannot read the index 'a:'. Use integers and slices, e.g. "
+     "input_ids[:, :-1]."),
+    (lambda: CausalLM(inputs={"idx": "input ids"}), {},
+     "task.inputs.idx: 'input ids' is not a batch entry. Give an entry's name (a mapping's key, e.g. input_ids) or "
+     "position (a tuple's, e.g. 0), optionally sliced as in Python: input_ids[:, :-1] (all but the last token), "
+     "input_ids[:, 1:] (the next tokens)."),
+])
+def test_task_inputs_and_model_loss_mistakes_name_their_key(task, batch, message):
+    with pytest.raises(ConfigError) as e:
+        made = task()
+        made.loss(made.forward(OwnLoss(), batch), batch)
+    assert str(e.value) == message

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import read_jsonl
 from hydra import compose, initialize_config_module
+from torch.utils.data import TensorDataset
 
 from hookexp.engine import HookHandle, SpecBinding
 from hookexp.errors import ConfigError, NonFiniteError
@@ -370,6 +371,18 @@ def test_a_transform_that_cuts_the_graph_warns_and_is_named_when_backward_finds_
                      "trainer.max_steps=2"), tmp_path / "last")
 
 
+def test_a_transform_that_starts_cutting_the_graph_at_a_later_step_is_named_with_that_step(tmp_path: Path):
+    """Issue 27.16: the graph is whole until step 3, where the spec's window starts."""
+    from hookexp.errors import HookWarning, TransformOutputError
+
+    spec = "+hooks.cut={target:fc2,kind:forward,transform:{_target_:user_transforms.detached},start_step:3}"
+    cut = r"hooks\.cut: .* cut from the autograd graph at target 'fc2' at step 3 "
+    with pytest.warns(HookWarning, match=cut), pytest.raises(TransformOutputError) as raised:
+        train(config(spec, "trainer.max_steps=6"), tmp_path)
+    assert str(raised.value).startswith("hooks.cut.transform: the loss does not require grad: the transform cut the "
+                                        "output from the autograd graph at 'fc2' (cut, at step 3) ")
+
+
 def test_the_python_api_stays_the_same_functions_after_a_run(tmp_path: Path):
     """hookexp.run.train is a function; the loop's module has another name, so importing it cannot replace it."""
     from hookexp.run import compose
@@ -382,3 +395,50 @@ def test_the_python_api_stays_the_same_functions_after_a_run(tmp_path: Path):
     assert again is run_train
     with pytest.raises(Exception, match="already holds a run"):
         run_train(compose("trainer.max_steps=2", "logger=none"), tmp_path / "a")
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, num_classes: int, in_features: int = 4):
+        super().__init__()
+        self.fc = torch.nn.Linear(in_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def tensor_pair(iterable: bool = False):
+    """A user's plain TensorDataset pair: labels 0..3 in training, 0..4 in validation (5 classes)."""
+    gen = torch.Generator().manual_seed(0)
+    train_set = TensorDataset(torch.randn(40, 4, generator=gen), torch.arange(40) % 4)
+    val_set = TensorDataset(torch.randn(10, 4, generator=gen), torch.arange(10) % 5)
+    if iterable:
+        return Stream(train_set), Stream(val_set)
+    return train_set, val_set
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a_stream(tmp_path: Path, caplog):
+    """Issue 27.9: max label + 1 over training and validation, said in the log; an iterable set cannot say it."""
+    overrides = ["model._target_=test_trainer.Classifier", "model.num_classes=auto",
+                 "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
+                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
+    with caplog.at_level("INFO", logger="hookexp.build"):
+        summary = train(config(*overrides), tmp_path / "map", overrides)
+    assert summary["status"] == "finished"
+    assert "model.num_classes=auto: 5, the largest label of the training and validation sets + 1" in caplog.text
+    manifest = json.loads((tmp_path / "map" / "manifest.json").read_text())
+    assert manifest["config"]["model"] == {"_target_": "test_trainer.Classifier", "num_classes": 5}
+    streamed = [*overrides, "+data.dataset.iterable=true"]
+    with pytest.raises(ConfigError) as refused:
+        train(config(*streamed), tmp_path / "stream", streamed)
+    assert str(refused.value) == (
+        "model.num_classes: is 'auto', but the data does not say it (the data gives: nothing). Its labels cannot be "
+        "read: the data set is iterable (it streams) or its examples carry no integer class labels. Set it: "
+        "model.num_classes=<value>.")

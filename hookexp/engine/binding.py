@@ -86,7 +86,7 @@ class SpecBinding:
         self._calls_at_step_start = 0
         self.records: list[Record] = []
         self.notes: dict[str, set[str]] = {}
-        self.cut_sites: list[str] = []  # targets where the transform cut its output from the autograd graph
+        self.cut_sites: dict[str, int | None] = {}  # target -> the step the transform first cut it from the graph
         self.emitted: dict[str, list[torch.Tensor]] = {}  # ctx.emit() measurements since the last stats()
         self._effect_sum: torch.Tensor | None = None  # [sum |y-x|, sum cos(x, y), elements changed], on device
         self._same = 0  # measured tensors the transform returned unchanged: change 0, cosine 1, nothing changed
@@ -221,7 +221,7 @@ class SpecBinding:
                 spec=self.spec.name, field="transform")
         if y is part:
             if self.clock.measuring and not self.probe:
-                self.measure(part, part)
+                self.measure(part, part, site.shards)
             return x
         if not isinstance(y, torch.Tensor):
             raise TransformOutputError(
@@ -237,7 +237,7 @@ class SpecBinding:
         if sel is None and part.requires_grad and not y.requires_grad and torch.is_grad_enabled():
             self.cut_graph(site)  # (a slice put back into x leaves the rest of x in the graph: nothing is cut)
         if self.clock.measuring and not self.probe:
-            self.measure(part, y)
+            self.measure(part, y, site.shards)
         return y if sel is None else sel.put(x, y)
 
     def _take(self, sel: Selector, x: torch.Tensor, site: Site) -> torch.Tensor:
@@ -265,13 +265,14 @@ class SpecBinding:
         (``.detach()``, ``.data``) otherwise: a one-time warning, and the name :meth:`HookHandle.explain` gives
         when torch then finds a loss without a graph."""
         if site.name not in self.cut_sites:
-            self.cut_sites.append(site.name)
+            self.cut_sites[site.name] = None if self.clock.ignore_schedule else self.clock.step
             if not self.clock.ignore_schedule:
                 warnings.warn(HookWarning(
                     f"hooks.{self.spec.name}: transform {self.transform.name!r} returned a tensor cut from the "
-                    f"autograd graph at target {site.name!r} (its input requires grad, its output does not), so "
-                    "nothing before it gets a gradient through it. Intended for a stop-gradient or an ablation; "
-                    "otherwise return a result computed from the input (not x.detach() or x.data)."), stacklevel=3)
+                    f"autograd graph at target {site.name!r} at step {self.clock.step} (its input requires grad, its "
+                    "output does not), so nothing before it gets a gradient through it. Intended for a stop-gradient "
+                    "or an ablation; otherwise return a result computed from the input (not x.detach() or x.data)."),
+                    stacklevel=3)
 
     def saw_nothing(self, site: Site, why: str) -> None:
         """The transform saw no tensor on this call: a dry-run error, and a one-time warning in training."""
@@ -284,8 +285,13 @@ class SpecBinding:
                 f"{self.spec.kind!r}: {why}), so the hook does nothing there. {_fix_for(self.spec)}"), stacklevel=3)
 
     # -- measuring --------------------------------------------------------------------------------
-    def measure(self, before: torch.Tensor, after: torch.Tensor) -> None:
-        """Accumulate what the hook did to one tensor, on device (read back by ``HookHandle.stats``)."""
+    def measure(self, before: torch.Tensor, after: torch.Tensor, shards: Shards | None = None) -> None:
+        """Accumulate what the hook did to one tensor, on device (read back by ``HookHandle.stats``). ``shards``:
+        ``before`` is this rank's shard of a sharded gradient (FSDP), measured as the whole tensor."""
+        if shards is not None:  # every rank takes part in the sum over the shards, changed here or not
+            with torch.no_grad():
+                self.add_effects(effect_rows([before], [after], shards)[0], 1, shards.numel)
+            return
         if after is before:  # returned unchanged: change 0, cosine 1, nothing changed; no tensor op
             self._same += 1
             self._effect_tensors += 1
@@ -318,16 +324,22 @@ class SpecBinding:
         return out
 
 
-def effect_rows(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+def effect_rows(before: list[torch.Tensor], after: list[torch.Tensor], shards: Shards | None = None) -> torch.Tensor:
     """What a hook did to each tensor pair, in float32: ``[‖y - x‖, cos(x, y), elements changed]`` (``[n, 3]``,
     on the device). Four foreach norms and one subtraction whatever the number of tensors; the dot product
-    comes from the norms (``x·y = (‖x‖² + ‖y‖² - ‖y - x‖²) / 2``). A zero tensor has cosine 0 with anything."""
+    comes from the norms (``x·y = (‖x‖² + ‖y‖² - ‖y - x‖²) / 2``). A zero tensor has cosine 0 with anything.
+    ``shards``: the tensors are this rank's shards (FSDP); squared norms and counts are summed over the shards
+    (one all-reduce, as the gradient statistics are), so that the rows describe the whole tensors."""
     xs = [t.detach() if t.dtype == torch.float32 else t.detach().float() for t in before]
     ys = [t.detach() if t.dtype == torch.float32 else t.detach().float() for t in after]
     diff = torch._foreach_sub(ys, xs)
     change, nx, ny = (torch.stack(torch._foreach_norm(v)) for v in (diff, xs, ys))
     # elements changed: the L1 norm of sign(y - x) (a count-nonzero norm, ord 0, is several times slower on the CPU)
     changed = torch.stack(torch._foreach_norm(torch._foreach_sign(diff), 1))
+    if shards is not None:
+        summed = shards.sum(torch.stack([change.square(), nx.square(), ny.square(), changed]))
+        change, nx, ny = summed[:3].sqrt().unbind()
+        changed = summed[3]
     dot = (nx.square() + ny.square() - change.square()) / 2
     cos = (dot / (nx * ny).clamp(min=1e-12)).clamp(-1.0, 1.0)
     return torch.stack([change, cos, changed], dim=1)

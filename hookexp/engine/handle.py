@@ -263,11 +263,12 @@ class HookHandle:
             s.calls += 1
         if before is not None:
             with torch.no_grad():
-                rows = effect_rows(before, grads)
+                rows = effect_rows(before, grads, shards)  # under FSDP: of the whole tensors
+            sizes = [g.numel() if part is None else part.numel for g, part in local]
             start = 0
             for i, (s, _) in enumerate(live):  # the group's rows summed per spec
                 if i + 1 == len(live) or live[i + 1][0].binding is not s.binding:
-                    numel = sum(g.numel() for g in grads[start:i + 1])
+                    numel = sum(sizes[start:i + 1])
                     s.binding.add_effects(rows[start:i + 1].sum(dim=0), i + 1 - start, numel)
                     start = i + 1
 
@@ -417,15 +418,16 @@ class HookHandle:
 
     def _explain_cut(self) -> HookexpError | None:
         """backward() found a loss without a graph: name the specs whose transforms cut their output from it."""
-        cut = [(b.spec.name, site) for b in self.bindings for site in b.cut_sites]
+        cut = [(b.spec.name, site, step) for b in self.bindings for site, step in b.cut_sites.items()]
         if not cut:
             return None
-        where = ", ".join(f"{site!r} ({name})" for name, site in cut)
+        where = ", ".join(f"{site!r} ({name}{'' if step is None else f', at step {step}'})"
+                          for name, site, step in cut)
         return TransformOutputError(
             f"the loss does not require grad: the transform cut the output from the autograd graph at {where} "
             "(its input required grad, its output does not: .detach(), .data, torch.no_grad() or a constant), and "
             "nothing after it has parameters to train. Return a result computed from the input, or move the hook "
-            "to evaluation (phase: eval).", spec=cut[0][0] if len({n for n, _ in cut}) == 1 else None,
+            "to evaluation (phase: eval).", spec=cut[0][0] if len({n for n, _, _ in cut}) == 1 else None,
             field="transform")
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:

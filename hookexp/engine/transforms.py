@@ -53,8 +53,9 @@ class Shards:
     """The process groups a DTensor gradient is sharded over (FSDP2): a transform that acts on this rank's shard
     sums a whole-tensor quantity (a squared norm) over them, one all-reduce."""
 
-    def __init__(self, groups: list[Any]):
+    def __init__(self, groups: list[Any], numel: int = 0):
         self.groups = groups
+        self.numel = numel  # the whole tensor's elements
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -72,7 +73,7 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Shards | None]:
         return t, None
     mesh = t.device_mesh  # type: ignore[attr-defined]
     groups = [mesh.get_group(i) for i, p in enumerate(placements) if p.is_shard()]
-    return t.to_local(), (Shards(groups) if groups else None)  # type: ignore[attr-defined]
+    return t.to_local(), (Shards(groups, t.numel()) if groups else None)  # type: ignore[attr-defined]
 
 
 @dataclass

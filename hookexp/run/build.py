@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.run.distributed import Dist, shard
 from hookexp.run.loaders import Loaders, make_loaders
-from hookexp.tasks import Task
+from hookexp.tasks import Classification, Task
 
 log = logging.getLogger("hookexp.build")
 
@@ -205,9 +205,19 @@ def _unpartial(fn: Any) -> Any:
     return fn
 
 
-def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str) -> DictConfig:
+def wants_auto(node: DictConfig, name: str) -> bool:
+    """Whether ``node`` (or a mapping in it) sets ``name: auto``."""
+    def find(values: Any) -> bool:
+        return isinstance(values, dict) and any(
+            (k == name and v == "auto") or find(v) for k, v in values.items())
+
+    return find(OmegaConf.to_container(node, resolve=True))
+
+
+def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str, why: Mapping[str, str] | None = None
+              ) -> DictConfig:
     """A copy of ``node`` with every ``auto`` value (also in nested mappings, e.g. ``model.config.vocab_size``)
-    taken from the data's ``info``."""
+    taken from the data's ``info``; ``why`` says why a name the data does not give cannot be known."""
 
     def fill(values: dict[str, Any], where: str) -> None:
         for name, value in values.items():
@@ -217,8 +227,9 @@ def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str) -> DictConfig
                 if name not in info:
                     known = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict))) \
                         or "nothing"
-                    raise ConfigError(f"is 'auto', but the data does not say it (the data gives: {known}). Set it: "
-                                      f"{where}.{name}=<value>.", key=f"{where}.{name}")
+                    reason = f" {why[name]}" if why and name in why else ""
+                    raise ConfigError(f"is 'auto', but the data does not say it (the data gives: {known}).{reason} "
+                                      f"Set it: {where}.{name}=<value>.", key=f"{where}.{name}")
                 values[name] = info[name]
 
     values = OmegaConf.to_container(node, resolve=True)
@@ -269,6 +280,7 @@ class Parts:
     ranks: Dist
     total_steps: int
     accumulate: int
+    limit: str = ""  # what sets total_steps, e.g. "trainer.max_steps=4000" (the final log line says it)
 
 
 def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
@@ -312,7 +324,19 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     set_threads(cfg.trainer.num_threads)
     task = build_task(cfg, overrides)
     loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
-    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model")
+    model_node = drop_inherited(cfg.model, "model", overrides)
+    why: dict[str, str] = {}
+    if "num_classes" not in loaders.info and isinstance(task, Classification) and wants_auto(model_node, "num_classes"):
+        from hookexp.data import classes_in
+
+        classes = classes_in(loaders.train, loaders.val)  # a user's own map-style sets: read it from the labels
+        if classes is not None:
+            loaders.info["num_classes"] = classes
+            log.info("model.num_classes=auto: %d, the largest label of the training and validation sets + 1", classes)
+        else:
+            why["num_classes"] = ("Its labels cannot be read: the data set is iterable (it streams) or its examples "
+                                  "carry no integer class labels.")
+    model_cfg = fill_auto(model_node, loaders.info, "model", why)
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{model_cfg._target_} built a {type(model).__name__}, not a torch.nn.Module.", key="model")
@@ -324,10 +348,10 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     accumulate = cfg.trainer.accumulate
     if accumulate < 1:
         raise ConfigError(f"must be at least 1, got {accumulate}.", key="trainer.accumulate")
-    total_steps = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
+    total_steps, limit = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
     scheduler = build_scheduler(cfg, optimizer, total_steps, overrides)
     return Parts(model, optimizer, scheduler, task, loaders, OmegaConf.to_container(model_cfg),  # type: ignore[arg-type]
-                 device, ranks, total_steps, accumulate)
+                 device, ranks, total_steps, accumulate, limit)
 
 
 class MixedPrecision:

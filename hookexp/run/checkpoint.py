@@ -135,13 +135,25 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def save_to(obj: Any, f: Any) -> None:
+    """``torch.save`` into an open file; an OSError while writing (a full disk) comes out as itself, not as the
+    RuntimeError torch's zip writer raises after it (``[enforce fail at inline_container.cc]``)."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as e:
+        os_error = e.__cause__ or e.__context__
+        if isinstance(os_error, OSError):
+            raise os_error from None
+        raise
+
+
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` through a temporary file in the same folder, flushed, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            save_to(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -207,7 +219,7 @@ def _fresh_dir(path: Path) -> None:
 
 def _write(payload: Any, path: Path) -> None:
     with open(path, "wb") as f:
-        torch.save(payload, f)
+        save_to(payload, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -452,7 +464,7 @@ class Checkpointer:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                torch.save(payload, f)
+                save_to(payload, f)
                 f.flush()
                 os.fsync(f.fileno())
             if self.path.exists():

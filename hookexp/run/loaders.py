@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.run.distributed import Dist
 
+DEFAULT_EPOCHS = 10  # trainer.epochs: null means this many epochs, unless trainer.max_steps is set
 # data-level keys every option has; any other key at data level belongs to the option and must be used by it
 COMMON_KEYS = ("batch_size", "eval_batch_size", "num_workers", "val_fraction", "split_seed", "collate_fn", "dataset",
                "name", "pin_memory")
@@ -136,22 +137,32 @@ class Loaders:
         batches = self.batches_per_epoch()
         return None if batches is None else math.ceil(batches / accumulate)
 
-    def total_steps(self, epochs: int, max_steps: int | None, accumulate: int) -> int:
+    def total_steps(self, epochs: int | None, max_steps: int | None, accumulate: int) -> tuple[int, str]:
+        """The run's length in optimizer steps and the limit that sets it, as the final log line names it.
+
+        ``epochs`` None is the default of 10 epochs, which an explicit ``max_steps`` lifts (as transformers'
+        Trainer and Lightning do); both explicit: the first reached."""
         per_epoch = self.steps_per_epoch(accumulate)
         if per_epoch is None:
             if max_steps is None:
                 raise ConfigError("is needed with an iterable data set, which has no length to count epochs by. "
                                   "Set trainer.max_steps=N.", key="trainer.max_steps")
-            total = max_steps
+            total, limit = max_steps, f"trainer.max_steps={max_steps}"
         else:
             if per_epoch == 0:
                 raise ConfigError(f"the training set has {len(self.train)} examples: not one batch for this rank. "  # type: ignore[arg-type]
                                   "Use more data or fewer ranks.", key="data.dataset")
-            total = epochs * per_epoch if max_steps is None else min(epochs * per_epoch, max_steps)
+            if epochs is None and max_steps is not None:
+                total, limit = max_steps, f"trainer.max_steps={max_steps}"
+            else:
+                n = DEFAULT_EPOCHS if epochs is None else epochs
+                by_epochs = f"trainer.epochs={n}" if epochs is not None else f"the default {n} epochs"
+                total, limit = ((n * per_epoch, by_epochs) if max_steps is None or n * per_epoch <= max_steps
+                                else (max_steps, f"trainer.max_steps={max_steps}"))
         if total < 1:
             raise ConfigError("the run would take no step: set trainer.epochs or trainer.max_steps to at least 1.",
                               key="trainer.epochs")
-        return total
+        return total, limit
 
     def _sampler(self, epoch: int, start: int = 0) -> EpochSampler:
         sampler = EpochSampler(len(self.train), True, self.seed, self.ranks.rank, self.ranks.world_size,  # type: ignore[arg-type]

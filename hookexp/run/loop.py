@@ -134,8 +134,9 @@ def preflight(parts: Parts) -> None:
                      type(batch).__name__)
             raise ConfigError(f"the model cannot take a training batch: {e}. The batch is {given}: a mapping's entries "
                               "go to forward's parameters of the same names, a tuple's elements but the last "
-                              "(the target) go positionally. Name the data's keys after forward's parameters, or "
-                              "return (inputs, target) pairs.", key="data.dataset") from None
+                              "(the target) go positionally. Name the data's keys after forward's parameters, "
+                              "return (inputs, target) pairs, or say which entry goes to which parameter: "
+                              "task.inputs={idx: input_ids}.", key="data.dataset") from None
         parts.task.sums(output, batch, parts.task.loss(output, batch))
     finally:
         parts.model.train()
@@ -357,6 +358,8 @@ def shut_down(cfg: DictConfig, run_dir: Path, status: str, loop: LoopState, part
         "runtime_s": time.perf_counter() - started, "perf/train_loop_s": loop.train_s,
         "run_dir": str(run_dir), **telemetry.summary(), **calls,
     })
+    if status == "finished":
+        summary["trainer/stopped_by"] = parts.limit  # the limit that ended the run, e.g. trainer.max_steps=4000
     if parts.ranks.enabled and status != "failed":
         summary.update({"dist/world_size": parts.ranks.world_size, "dist/strategy": parts.ranks.strategy})
         if not parts.ranks.sharded:  # replicas: they must hold the same parameters (FSDP's ranks hold shards)

@@ -7,7 +7,9 @@ specs it names (hook specs with the ``record`` transform, idle until then) keep 
 checkpoint is saved, and a line goes to ``spikes.jsonl`` with the step, the value, the median and the
 steps since the previous log step with their epoch and batch indices (what to replay). Then back to
 normal. The median of a window, not a mean and a standard deviation: a converged loss's tiny noise is
-not a spike, and one spike does not hide the next.
+not a spike, and one spike does not hide the next. Every finite value enters the window (a spike's, and
+those logged in the steps after it), so the median follows a lasting change of level: one spike, not one
+at every log step after it.
 """
 
 from __future__ import annotations
@@ -85,19 +87,20 @@ class SpikeRecorder:
 
     def observe(self, metrics: Mapping[str, Any], step: int) -> Spike | None:
         """A log step's metrics (step: the 0-based step they describe); a :class:`Spike` when one starts."""
-        if not self.enabled or step < self.until:
+        if not self.enabled:
             return None
         value = metrics.get(self.metric)
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             return None  # NaN/Inf is the non-finite guard's business
         spike = None
-        if len(self.history) == self.window:
+        if step >= self.until and len(self.history) == self.window:
             median = sorted(self.history)[self.window // 2]
             if value > self.threshold * median and value > self.min_value:
                 self.until, self.found = step + 1 + self.steps, self.found + 1
                 spike = Spike(step, self.metric, float(value), float(median))
-        if spike is None:
-            self.history.append(float(value))
+        # every value enters the window, a spike's and those of the steps after it too: after a lasting rise (a
+        # collapse, a new learning rate) the median moves up to the new level, and the rise is one spike
+        self.history.append(float(value))
         return spike
 
     def window_ended(self, step: int) -> bool:
