@@ -133,6 +133,7 @@ def test_stop_when_stops_at_the_first_validation_that_reaches_it(tmp_path: Path,
     assert val[-1]["val/acc"] >= 0.5 and all(r["val/acc"] < 0.5 for r in val[:-1])
     assert summary["status"] == "finished" and summary["trainer/steps"] == val[-1]["trainer/step"] + 1 < 230
     assert f"stopped after step {val[-1]['trainer/step']}: val/acc>=0.5 (trainer.stop_when)" in caplog.text
+    assert summary["trainer/stopped_by"] == "trainer.stop_when=val/acc>=0.5"
 
 
 def test_stop_when_on_a_train_metric_and_a_bad_target(tmp_path: Path):

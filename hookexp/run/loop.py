@@ -238,6 +238,7 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
             return "interrupted"
         if reached is not None:
             log.info("stopped after step %d: %s (trainer.stop_when)", reached, goal)
+            parts.limit = f"trainer.stop_when={goal}"  # what ended the run, for the summary and the final line
             break
     bar.close()
     if loop.evaluated != loop.step - 1:  # resumed from the final checkpoint, before its validation ran
