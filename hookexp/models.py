@@ -291,9 +291,10 @@ class GPT(nn.Module):
     attention_mask [B, T] | None) -> logits [B, T, vocab_size]``; ``attention_mask`` (1 = token, 0 = padding)
     hides padded keys. ``init="gpt2"``: weights N(0, 0.02), the residual projections (``attn.proj``,
     ``mlp.proj``) N(0, 0.02 / sqrt(2 * n_layer)) so the residual stream's variance does not grow with depth;
-    biases zero. ``init="torch"``: PyTorch's own module defaults (Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    weights and biases; Embedding: N(0, 1); LayerNorm: ones and zeros), as research code that sets no init
-    has. ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
+    biases zero. ``init="torch"``: PyTorch's own defaults, as research code that sets no init has (Linear:
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)) weights and biases; Embedding: N(0, 1); LayerNorm: ones and zeros;
+    attention as ``nn.MultiheadAttention`` initialises itself: Xavier-uniform ``qkv.weight``, zero ``qkv`` and
+    ``proj`` biases). ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
     listed once, as ``embed.weight``, by ``named_parameters``).
 
     ``parametrization="mup"``: µP with ``base_width`` (module docstring; the width is ``d_model``, and ``d_mlp``
@@ -353,6 +354,11 @@ class GPT(nn.Module):
                 normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+        for block in self.blocks if init == "torch" else ():  # nn.MultiheadAttention's _reset_parameters
+            nn.init.xavier_uniform_(block.attn.qkv.weight)
+            for linear in (block.attn.qkv, block.attn.proj):
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
         if tie_weights:
             self.head.weight = self.embed.weight
 

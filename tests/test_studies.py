@@ -54,6 +54,10 @@ def test_torch_init_keeps_pytorchs_module_defaults():
     bound = 1 / math.sqrt(fc.in_features)  # Linear's kaiming-uniform default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     assert fc.weight.abs().max().item() <= bound and fc.weight.abs().max().item() > 0.95 * bound
     assert fc.bias.abs().max().item() > 0.5 * bound  # biases are drawn too, not zeroed
+    qkv, proj = model.blocks[1].attn.qkv, model.blocks[1].attn.proj  # as nn.MultiheadAttention initialises them
+    xavier = math.sqrt(6 / (qkv.in_features + qkv.out_features))
+    assert 0.95 * xavier < qkv.weight.abs().max().item() <= xavier
+    assert not qkv.bias.any() and not proj.bias.any() and proj.weight.abs().max().item() <= 1 / math.sqrt(128)
     gpt2 = GPT(vocab_size=99, block_size=5, n_layer=2, n_head=4, d_model=128)
     assert gpt2.embed.weight.std().item() == pytest.approx(0.02, rel=0.05) and not gpt2.blocks[0].mlp.fc.bias.any()
 
