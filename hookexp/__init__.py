@@ -30,8 +30,8 @@ _EXPORTS = {
                      "register_transform", "register_transform_alias", "register_aliases"), "hookexp.engine"),
     **dict.fromkeys(("ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError",
                      "RegistryError", "SpecError", "SpecErrors", "TargetError", "TransformArgsError",
-                     "TransformOutputError", "HookWarning", "CheckpointError", "NonFiniteError", "RunDirError",
-                     "RunFilesError"), "hookexp.errors"),
+                     "TransformOutputError", "HookWarning", "CheckpointError", "MissingExtraError", "NonFiniteError",
+                     "RunDirError", "RunFilesError"), "hookexp.errors"),
     **dict.fromkeys(("watch", "Watch"), "hookexp.telemetry.watch"),
 }
 
@@ -48,6 +48,7 @@ __all__ = [
     "HookSpec",
     "HookWarning",
     "HookexpError",
+    "MissingExtraError",
     "NonFiniteError",
     "Record",
     "RegistryError",
@@ -99,6 +100,7 @@ if TYPE_CHECKING:
         HookexpError,
         HookRuntimeError,
         HookWarning,
+        MissingExtraError,
         NonFiniteError,
         RegistryError,
         RunDirError,

@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
-# Set-up for the quick start: a virtual environment in .venv with hookexp installed (editable), its
-# dev tools, the sweep plugins (Optuna, joblib, submitit), transformers/datasets (model=hf, data=hf_disk) and
-# lightning (the Lightning callback), so that every optional feature's tests run. Runs once; again when
-# pyproject.toml changes.
+# Set-up for the quick start: a virtual environment in .venv with hookexp installed (editable) and the package
+# extras named in $1 (comma-separated, e.g. dev,sweeps,hf,lightning; none: what the main job needs).
+# ./scripts/run.sh installs no extra, ./scripts/test.sh every one the tests use. Runs when pyproject.toml changed
+# or an extra asked for is not installed yet; the stamp .venv/.hookexp-setup holds the pyproject.toml hash and
+# the extras installed with it ("<hash> dev,hf,..."), so the run command after the test command installs nothing.
 #   - torch is installed first, as the CPU wheel by default (a plain `torch` requirement would pull a
 #     multi-GB CUDA build). Bring your own build with HOOKEXP_TORCH="torch==X.Y.Z" (or install torch
 #     into .venv yourself before running this): an importable torch is never replaced.
 #   - PYTHON picks the interpreter (default: python3, 3.10 or newer).
+#   - HOOKEXP_SETUP_DRY=1 prints the pip command it would run instead of running it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 stamp="$venv/.hookexp-setup"
 want="$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+sorted() { tr ', ' '\n\n' | sed '/^$/d' | sort -u | paste -sd, -; }
+hash="" have=""
+[ -f "$stamp" ] && read -r hash have < "$stamp" || true
+[ "$hash" = "$want" ] || have=""  # pyproject.toml changed: every extra is reinstalled when asked for
+have="$(printf '%s' "$have" | sorted)"
+need="$(printf '%s,%s' "$have" "${1:-}" | sorted)"
+if [ "$hash" = "$want" ] && [ "$need" = "$have" ]; then
     exit 0
 fi
-echo "hookexp: setting up $venv (once) ..." >&2
+spec="$root${need:+[$need]}"
+if [ "${HOOKEXP_SETUP_DRY:-}" = 1 ]; then
+    echo "pip install -e $spec"
+    exit 0
+fi
+echo "hookexp: setting up $venv${need:+ with the extras $need} ..." >&2
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet "${HOOKEXP_TORCH:-torch==2.13.0}"
 fi
-"$venv/bin/python" -m pip install --quiet -e "$root[dev,sweeps,hf,lightning]"
-echo "$want" > "$stamp"
+"$venv/bin/python" -m pip install --quiet -e "$spec"
+echo "$want $need" > "$stamp"
 echo "hookexp: set-up done." >&2
