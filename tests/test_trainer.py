@@ -387,7 +387,7 @@ def test_the_python_api_stays_the_same_functions_after_a_run(tmp_path: Path):
 def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_path: Path):
     """Issue 27.19: a script calling hookexp.run.train twice into one directory ended in a RunDirError whose fixes
     were command-line flags (+overwrite=true). train() takes resume= and overwrite=, and its errors name them."""
-    from hookexp import RunDirError
+    from hookexp import CheckpointError, RunDirError
     from hookexp.run import compose
     from hookexp.run import train as run_train
 
@@ -404,6 +404,12 @@ def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_
         "checkpoints, plots); a new run there would mix its results with that one's. Continue that run with "
         "train(cfg, run_dir, resume=True), start it over with train(cfg, run_dir, overwrite=True) (deletes its "
         "results), or pass another run_dir.")
+    with pytest.raises(CheckpointError) as e:
+        run_train(cfg(2), tmp_path / "other", resume=True)
+    assert str(e.value) == (
+        f"train(resume=...): there is no checkpoint at {tmp_path / 'other' / 'checkpoints' / 'last.pt'}. train(cfg, "
+        "run_dir, resume=True) continues the run in run_dir (pass the interrupted run's directory); resume=PATH names "
+        "a checkpoint or run directory.")
     resumed = run_train(cfg(4), run, resume=True)  # continues from step 2
     assert resumed["trainer/steps"] == 4
     steps = [r["trainer/step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]

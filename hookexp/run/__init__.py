@@ -47,4 +47,4 @@ def train(cfg: Any, run_dir: str | Path, *, resume: bool | str | Path | None = N
         with open_dict(cfg):
             cfg.resume = resume if isinstance(resume, bool) else str(resume)
     claim(run_dir.absolute(), cfg.get("resume"), overwrite or cfg.get("overwrite"), python=True)
-    return train_job(cfg, run_dir)
+    return train_job(cfg, run_dir, python=True)
