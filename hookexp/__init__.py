@@ -7,6 +7,9 @@ The library API (no Hydra, no W&B)::
                                   "transform": "clamp", "args": {"min": 0.0}}}) as hooks:
         model(x).sum().backward()
     hooks.stats()
+    # forward kinds act in the module mode their phase names: "train" (default), "eval" (analysis) or "both"
+    with attach(model.eval(), {"ablate": {"target": "@attn", "kind": "forward", "transform": "zero", "phase": "eval"}}):
+        logits = model(x)
 
     hookexp.watch(model, optimizer, every=10, log=wandb.run)   # the trainer's statistics in any loop
 
@@ -27,8 +30,8 @@ _EXPORTS = {
                      "register_transform", "register_transform_alias", "register_aliases"), "hookexp.engine"),
     **dict.fromkeys(("ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError",
                      "RegistryError", "SpecError", "SpecErrors", "TargetError", "TransformArgsError",
-                     "TransformOutputError", "HookWarning", "CheckpointError", "NonFiniteError", "RunDirError",
-                     "RunFilesError"), "hookexp.errors"),
+                     "TransformOutputError", "HookWarning", "CheckpointError", "MissingExtraError", "NonFiniteError",
+                     "RunDirError", "RunFilesError"), "hookexp.errors"),
     **dict.fromkeys(("watch", "Watch"), "hookexp.telemetry.watch"),
 }
 
@@ -45,6 +48,7 @@ __all__ = [
     "HookSpec",
     "HookWarning",
     "HookexpError",
+    "MissingExtraError",
     "NonFiniteError",
     "Record",
     "RegistryError",
@@ -96,6 +100,7 @@ if TYPE_CHECKING:
         HookexpError,
         HookRuntimeError,
         HookWarning,
+        MissingExtraError,
         NonFiniteError,
         RegistryError,
         RunDirError,

@@ -227,6 +227,7 @@ def main() -> None:
     overrides = [a for a in args if not a.startswith("-") and "=" in a]
     try:
         overrides = rundir.resume_overrides(overrides)
+        launchers.check_plugins(overrides)
     except HookexpError as e:
         print(f"hookexp: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -119,5 +119,16 @@ class RunFilesError(HookexpError, OSError):
     """Writing a run's files failed (disk full, read-only, permissions); names the file and the fix."""
 
 
+class MissingExtraError(HookexpError, ImportError):
+    """An optional feature was used without the package extra that provides it; names the extra to install."""
+
+    def __init__(self, feature: str, package: str, extra: str, error: BaseException | str = ""):
+        why = f" ({error})" if str(error) else ""
+        super().__init__(f"{feature} needs {package}, which is not installed{why}. Install the extra: pip install "
+                         f"'hookexp[{extra}]' (in a clone: .venv/bin/pip install -e '.[{extra}]'; ./scripts/test.sh "
+                         "installs every extra).")
+        self.extra = extra
+
+
 class NonFiniteError(HookexpError, FloatingPointError):
     """A loss or gradient became NaN or Inf and ``guard.nan_policy`` is ``raise``."""

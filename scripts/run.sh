@@ -4,5 +4,5 @@
 #   ./scripts/run.sh hooks=clamp_conv
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup.sh"
+bash "$root/scripts/setup.sh"  # the main job: torch and the base dependencies, no extra
 exec "$root/.venv/bin/python" -m hookexp "$@"

@@ -177,3 +177,50 @@ def test_the_dry_run_and_the_table_show_what_each_alias_became():
     assert "@attn = blocks.N.attn (hookexp.gpt): blocks.0.attn, blocks.1.attn" in report.render().replace("\n", "")
     with attach(model, specs) as hooks:
         assert {r["spec"]: r["alias"] for r in hooks.table()}["norm"] == "@norm = norm (hookexp.gpt)"
+
+
+def test_a_name_of_another_architecture_names_the_alias_that_means_it_here():
+    """Issue 27.7: `blocks.0.attn` (the gpt model's) on another architecture said only "matches no module"."""
+    pt = PatchTransformer(depth=2, d_model=16, heads=2, ff=32)
+    with pytest.raises(TargetError) as e:
+        attach(pt, {"a": {"target": "blocks.1.attn", "kind": "forward"}})
+    assert str(e.value).startswith(
+        "hooks.a.target: target 'blocks.1.attn' matches no module of PatchTransformer (kind 'forward' attaches to "
+        "modules). 'blocks.1.attn' is what @attn names in hookexp.gpt models; in PatchTransformer @attn = "
+        "layers.N.self_attn (hookexp.transformer): use target '@attn' (every block, on every architecture), or "
+        "'layers.1.self_attn' for this one. Its modules are: ")
+    with pytest.raises(TargetError, match=r"'blocks\.\*\.attn' is what @attn names in hookexp\.gpt models; in "
+                                          r"PatchTransformer @attn = layers\.N\.self_attn \(hookexp\.transformer\): "
+                                          r"use target '@attn' \(every block, on every architecture\)\. Its"):
+        attach(pt, {"a": {"target": "blocks.*.attn", "kind": "forward"}})  # a glob: the alias, no single module
+    # the model's own layout: a wrong index is a did-you-mean, not an alias
+    with pytest.raises(TargetError, match=r"matches no module of GPT \(kind 'forward' attaches to modules\)\. "
+                                          r"Did you mean 'blocks\.1\.attn'"):
+        attach(GPT(n_layer=2), {"a": {"target": "blocks.2.attn", "kind": "forward"}})
+
+
+def test_the_shipped_hook_sets_use_aliases_for_parts_of_several_architectures():
+    """Issue 27.7: a target in conf/hooks/ that another architecture spells differently is written as its alias;
+    ablate_attn_eval then runs on the gpt model and the transformer alike."""
+    from importlib import resources
+
+    import yaml
+
+    from hookexp.engine.aliases import alias_hint
+
+    models = (GPT(n_layer=2), PatchTransformer(depth=2, d_model=16, heads=2, ff=32))
+    for path in resources.files("hookexp.conf").joinpath("hooks").iterdir():
+        if path.name.endswith(".yaml"):
+            specs = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k != "defaults"}
+            for name, spec in specs.items():
+                for m in models:
+                    try:
+                        found = names(m, spec["target"])
+                    except ConfigError:
+                        found = []
+                    assert found or alias_hint(m, spec["target"], "module") == "", (path.name, name, spec)
+    spec = yaml.safe_load(resources.files("hookexp.conf").joinpath("hooks/ablate_attn_eval.yaml").read_text())
+    for model, attn in zip(models, (["blocks.0.attn", "blocks.1.attn"], ["layers.0.self_attn", "layers.1.self_attn"]),
+                           strict=True):
+        with attach(model, {"ablate_attn_eval": spec["ablate_attn_eval"]}) as hooks:
+            assert hooks.table()[0]["targets"] == attn

@@ -199,10 +199,11 @@ def test_without_wandb_the_local_files_are_still_written(args, workdir):
 
 def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes_on_offline(workdir):
     """Issue 20.14: a server that accepts connections and never answers used to cost ~20 s before training and
-    ~26 s at exit with init_timeout=5; now init_timeout bounds the whole wait (a liveness bound, not a speed test)."""
+    ~26 s at exit (W&B's own retries and telemetry exporter waiting on it). Now one probe bounded by
+    init_timeout asks it, once, and the run goes on offline. Issue 27.1: checked by what happened (the server
+    asked once, the fallback said once, an offline run written, training finished), never by wall time."""
     import socket
     import threading
-    import time
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -210,20 +211,18 @@ def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes
     held: list[socket.socket] = []
     threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
     env = {"WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}", "WANDB_API_KEY": "a" * 40}
-    started = time.monotonic()
     done = run_cli(["logger.mode=online", "logger.init_timeout=2", "trainer.max_steps=3", "hydra.run.dir=run"],
                    workdir, env=env)
-    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "did not answer within logger.init_timeout=2 s; logging offline under" in done.stdout  # the run's log
-    run = wandb_summary(workdir / "run")
+    log = (workdir / "run" / "cli.log").read_text()
+    fallback = f"did not answer within logger.init_timeout=2 s; logging offline under {workdir / 'run'}/wandb instead"
+    assert log.count(fallback) == 1 and done.stdout.count(fallback) == 1  # said once, in the log and on the terminal
+    assert "W&B online init failed" not in log  # W&B's own init never waited on the server
+    assert len(held) == 1  # the one probe: nothing else (init, its retries, the exit) connected to the server
+    run = wandb_summary(workdir / "run")  # the offline run, written in full
     assert run["state"] == "finished" and run["summary"]["trainer/steps"] == 3
-    started = time.monotonic()
-    offline = run_cli(["trainer.max_steps=3", "hydra.run.dir=offline"], workdir)
-    baseline = time.monotonic() - started
-    assert offline.returncode == 0
-    # the wait is bounded by init_timeout (2 s), not W&B's own retries (~40 s with init_timeout=5 before the fix)
-    assert elapsed - baseline < 2 + 10, (elapsed, baseline)
+    summary = json.loads((workdir / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["trainer/steps"] == 3
 
 
 def test_unknown_wandb_mode_is_refused(workdir):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from hookexp import HookCompatibilityError, HookRuntimeError, TransformOutputError, attach
+from hookexp import HookCompatibilityError, HookRuntimeError, HookWarning, TransformOutputError, attach
 from hookexp.engine import SpecBinding
 from hookexp.models import SmallCNN
 
@@ -142,6 +143,34 @@ def test_phase(phase, train_calls, eval_calls):
             lin(torch.ones(1, 2))
         after_eval = hooks.stats()["p"]["calls"] - after_train
     assert (after_train, after_eval) == (train_calls, eval_calls)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_a_train_spec_on_a_model_in_eval_mode_says_once_that_it_is_skipped(kind):
+    """Issue 27.23: attach() on a model in eval mode (the usual state for analysis) with the default phase did
+    nothing and said nothing: the output equalled the unhooked model's. Now one HookWarning names the spec, the
+    phase and the fix; with phase: eval the same spec acts, and warns nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    x = torch.randn(3, 4)
+    spec = {"zero": {"target": "0", "kind": kind, "transform": "scale", "args": {"factor": 0.0}}}
+    with pytest.warns(HookWarning) as caught, attach(model, spec) as hooks:
+        out = model(x)
+        model(x)
+    assert torch.equal(out, model(x)) and hooks.stats()["zero"]["calls"] == 0  # skipped, as before
+    assert [str(w.message) for w in caught if isinstance(w.message, HookWarning)] == [
+        f"hooks.zero: skipped at target '0': the module is in eval mode and the spec's phase is 'train' (the "
+        f"default), so the {kind!r} hook does nothing here. Set phase: eval (evaluation only) or phase: both to act "
+        "in eval mode, or call model.train()."]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with attach(model, {"zero": spec["zero"] | {"phase": "eval"}}):
+            assert not torch.equal(model(x), out)  # it acts
+        model.train()
+        with attach(model, spec):  # a train spec that acted first (the trainer's order) is not warned in eval
+            model(x)
+            model.eval()
+            model(x)
 
 
 def test_index_picks_one_tensor_of_a_tuple_and_none_passes_through():

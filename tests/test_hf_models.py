@@ -162,3 +162,25 @@ def test_bert_resolves_the_same_hook_set_and_its_missing_norm_is_optional():
     assert rows["unembed"]["targets"] == ["bert.embeddings.word_embeddings.weight", "cls.predictions.bias"]
     assert rows["norm"]["targets"] == [] and rows["norm"]["alias"] == "@norm = (none) (bert)"
     assert all(rows[k]["calls_per_step"] > 0 for k in HOOK_SET if k != "norm"), rows
+
+
+def test_the_gpt_models_attention_name_on_gpt2_names_the_alias_and_the_shipped_set_uses_it():
+    """Issue 27.7: `model=hf hooks=ablate_attn_eval` failed with "target 'blocks.0.attn' matches no module of
+    GPT2LMHeadModel" and no suggestion."""
+    from importlib import resources
+
+    import yaml
+
+    from hookexp import TargetError
+
+    model, names = gpt2()
+    with pytest.raises(TargetError) as e:
+        attach(model, {"ablate_attn_eval": {"target": "blocks.0.attn", "kind": "forward", "phase": "eval"}})
+    assert str(e.value).startswith(
+        "hooks.ablate_attn_eval.target: target 'blocks.0.attn' matches no module of GPT2LMHeadModel (kind 'forward' "
+        "attaches to modules). 'blocks.0.attn' is what @attn names in hookexp.gpt models; in GPT2LMHeadModel @attn = "
+        "transformer.h.N.attn (gpt2): use target '@attn' (every block, on every architecture), or "
+        "'transformer.h.0.attn' for this one. Its modules are: ")
+    shipped = yaml.safe_load(resources.files("hookexp.conf").joinpath("hooks/ablate_attn_eval.yaml").read_text())
+    with attach(model, {"ablate_attn_eval": shipped["ablate_attn_eval"]}) as hooks:
+        assert hooks.table()[0]["targets"] == names["attn"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_models import ResNetish
 
-from hookexp import HookCompatibilityError, HookexpError, HookRuntimeError, attach, validate
+from hookexp import HookCompatibilityError, HookexpError, HookRuntimeError, TransformOutputError, attach, validate
 from hookexp.engine import explain_torch_error
 
 BACKWARD_SIDE = ["backward", "backward_pre", "backward_legacy", "output_grad", "node", "node_pre"]
@@ -115,3 +115,40 @@ def test_an_input_modified_in_place_after_the_module_is_explained():
                                                   "'backward') after its forward")
     report = validate(model, {"bw": {"target": "a", "kind": "backward"}}, torch.randn(2, 3, requires_grad=True))
     assert report.errors[0].startswith("hooks.bw.kind: an in-place op modified an input of 'a'")
+
+
+class BnThenInplaceRelu(torch.nn.Module):
+    """torchvision's BasicBlock start (``layer1.0.bn1`` -> ``ReLU(inplace=True)``) outside any Sequential, so that
+    no check before attaching sees the in-place op: the first forward meets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.relu = torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.ReLU(inplace=True)
+        self.fc = torch.nn.Linear(2, 3)
+
+    def forward(self, x):
+        return self.fc(self.relu(self.bn1(self.conv1(x))).mean(dim=(2, 3)))
+
+
+@pytest.mark.filterwarnings("ignore::hookexp.HookWarning")
+def test_errors_the_engine_explains_leave_the_with_block_as_hookexp_errors():
+    """Issue 27.20: inside ``with attach(...)`` torch's in-place error around a full backward hook came out as a
+    plain RuntimeError (its text naming the spec); ``except HookexpError`` missed it. Now it is the
+    HookCompatibilityError that explains it, torch's error its cause; the same for a transform that cut the
+    graph."""
+    model = BnThenInplaceRelu()
+    spec = {"bw": {"target": "bn1", "kind": "backward", "transform": "scale", "args": {"factor": 0.5}}}
+    with pytest.raises(HookexpError) as e, attach(model, spec) as hooks:
+        model(batch()).sum().backward()
+    assert type(e.value) is HookCompatibilityError and e.value.spec == "bw" and e.value.field == "kind"
+    assert str(e.value).startswith("hooks.bw.kind: an in-place op modified the output of 'bn1' (kind 'backward') "
+                                   "after its forward")
+    assert "Use kind 'output_grad' (or 'node') for this target" in str(e.value)
+    assert type(e.value.__cause__) is RuntimeError and "BackwardHookFunction" in str(e.value.__cause__)
+    assert hooks.removed and not model.bn1._backward_hooks and not model._forward_hooks  # and nothing is left
+
+    cut = {"cut": {"target": "", "kind": "forward", "transform": lambda t: t.detach()}}
+    with pytest.raises(HookexpError) as e, attach(model, cut):
+        model(batch()).sum().backward()
+    assert type(e.value) is TransformOutputError and e.value.spec == "cut"
+    assert "the transform cut the output from the autograd graph at ''" in str(e.value)

@@ -442,3 +442,38 @@ def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a
         "model.num_classes: is 'auto', but the data does not say it (the data gives: nothing). Its labels cannot be "
         "read: the data set is iterable (it streams) or its examples carry no integer class labels. Set it: "
         "model.num_classes=<value>.")
+
+
+def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_path: Path):
+    """Issue 27.19: a script calling hookexp.run.train twice into one directory ended in a RunDirError whose fixes
+    were command-line flags (+overwrite=true). train() takes resume= and overwrite=, and its errors name them."""
+    from hookexp import CheckpointError, RunDirError
+    from hookexp.run import compose
+    from hookexp.run import train as run_train
+
+    def cfg(steps: int):
+        return compose(f"trainer.max_steps={steps}", "trainer.checkpoint_every=2", "logger=none",
+                       "trainer.progress=false")
+
+    run = tmp_path / "mine"
+    assert run_train(cfg(2), run)["trainer/steps"] == 2
+    with pytest.raises(RunDirError) as e:
+        run_train(cfg(2), run)
+    assert str(e.value) == (
+        f"train(run_dir=...): {run.absolute()} already holds a run (metrics.jsonl, summary.json, manifest.json, "
+        "checkpoints, plots); a new run there would mix its results with that one's. Continue that run with "
+        "train(cfg, run_dir, resume=True), start it over with train(cfg, run_dir, overwrite=True) (deletes its "
+        "results), or pass another run_dir.")
+    with pytest.raises(CheckpointError) as e:
+        run_train(cfg(2), tmp_path / "other", resume=True)
+    assert str(e.value) == (
+        f"train(resume=...): there is no checkpoint at {tmp_path / 'other' / 'checkpoints' / 'last.pt'}. train(cfg, "
+        "run_dir, resume=True) continues the run in run_dir (pass the interrupted run's directory); resume=PATH names "
+        "a checkpoint or run directory.")
+    resumed = run_train(cfg(4), run, resume=True)  # continues from step 2
+    assert resumed["trainer/steps"] == 4
+    steps = [r["trainer/step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
+    assert steps[-1] == 3 and len(steps) == len(set(steps))
+    fresh = run_train(cfg(2), run, overwrite=True)
+    assert fresh["trainer/steps"] == 2
+    assert [r["trainer/step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r][-1] == 1

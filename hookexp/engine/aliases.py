@@ -164,6 +164,49 @@ def expand(model: nn.Module, alias: str, on: Literal["module", "parameter"], mis
     return Resolved(alias, entry.name, full, _regex(full, on))
 
 
+def alias_hint(model: nn.Module, target: str, on: Literal["module", "parameter"]) -> str:
+    """When ``target`` matches nothing in ``model`` but names what an alias names in another architecture of the
+    table (``blocks.0.attn``: ``@attn`` of the package's GPT) and that alias means something in ``model``: a
+    sentence naming the alias, what it became here and, for an exact name, the same module here. Else ``""``."""
+    if on != "module" or target.startswith("@"):
+        return ""
+    from hookexp.engine.targets import compile_pattern
+
+    exact = not target.startswith("re:") and not any(c in target for c in "*?[")
+    pattern = compile_pattern(target)
+
+    def indices(rel: str) -> list[str] | None:
+        """The block indices ``target`` gives where it names ``rel`` (under any base module), else None."""
+        segs = rel.split(".")
+        if not exact:  # a glob or regex: does it take the entry's name (block 0)?
+            return [] if pattern(".".join("0" if seg == "N" else seg for seg in segs)) else None
+        body = r"\.".join(r"(\d+)" if seg == "N" else re.escape(seg) for seg in segs)
+        found = re.search(rf"(?:^|\.){body}$", target)
+        return None if found is None else list(found.groups())
+
+    modules = dict(model.named_modules())
+    for entry in reversed(ALIASES.values()):
+        for key, rel in entry.aliases.items():
+            given = indices(rel) if isinstance(rel, str) and rel else None
+            if given is None:
+                continue
+            try:
+                here = expand(model, "@" + key, "module")
+            except LookupError:
+                continue
+            if here.architecture == entry.name:  # the model's own layout: a typo or an index, did-you-mean says
+                continue
+            same = ""
+            parts = here.pattern.split(".")
+            if exact and parts.count("N") == len(given):
+                numbers = iter(given)
+                concrete = ".".join(next(numbers) if p == "N" else p for p in parts)
+                same = f", or {concrete!r} for this one" if concrete in modules else ""
+            return (f" {target!r} is what @{key} names in {entry.name} models; in {type(model).__name__} "
+                    f"{here.describe()}: use target '@{key}' (every block, on every architecture){same}.")
+    return ""
+
+
 # ----------------------------------------------------------------------------------------------------
 # The table. transformers' families are recognised by their base model's class (a model with a head,
 # e.g. GPT2LMHeadModel, contains it); the package's models by their own classes.

@@ -87,6 +87,7 @@ class SpecBinding:
         self.records: list[Record] = []
         self.notes: dict[str, set[str]] = {}
         self.cut_sites: dict[str, int | None] = {}  # target -> the step the transform first cut it from the graph
+        self.phase_warned = False  # skipped_for_phase said so
         self.emitted: dict[str, list[torch.Tensor]] = {}  # ctx.emit() measurements since the last stats()
         self._effect_sum: torch.Tensor | None = None  # [sum |y-x|, sum cos(x, y), elements changed], on device
         self._same = 0  # measured tensors the transform returned unchanged: change 0, cosine 1, nothing changed
@@ -273,6 +274,19 @@ class SpecBinding:
                     "output does not), so nothing before it gets a gradient through it. Intended for a stop-gradient "
                     "or an ablation; otherwise return a result computed from the input (not x.detach() or x.data)."),
                     stacklevel=3)
+
+    def skipped_for_phase(self, site: Site, training: bool) -> None:
+        """A forward-side call skipped because the module is in the mode the spec's phase leaves out. Said once per
+        spec, when a ``train`` spec (the default) meets a module in eval mode before it ever acted: the library's
+        analysis on an ``eval()`` model, whose output would otherwise equal the unhooked model's without a word.
+        (The trainer trains first, so its ``train`` specs act before any evaluation; ``phase: eval`` is asked for.)"""
+        if training or self.calls or self.phase_warned or self.probe or self.clock.ignore_schedule:
+            return
+        self.phase_warned = True
+        warnings.warn(HookWarning(
+            f"hooks.{self.spec.name}: skipped at target {site.name!r}: the module is in eval mode and the spec's "
+            f"phase is {self.spec.phase!r} (the default), so the {self.spec.kind!r} hook does nothing here. Set "
+            "phase: eval (evaluation only) or phase: both to act in eval mode, or call model.train()."), stacklevel=3)
 
     def saw_nothing(self, site: Site, why: str) -> None:
         """The transform saw no tensor on this call: a dry-run error, and a one-time warning in training."""

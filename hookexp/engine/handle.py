@@ -464,8 +464,14 @@ class HookHandle:
     def __enter__(self) -> HookHandle:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """Remove the hooks; a torch error the block raised about them (an in-place op next to a full backward
+        hook, a transform that cut the graph) leaves the block as the :class:`HookexpError` that explains it, torch's
+        error as its cause, so that ``except HookexpError`` catches it as in the trainer."""
+        explained = self.explain(exc) if isinstance(exc, Exception) else None
         self.remove()
+        if explained is not None:
+            raise explained from exc
 
     def __repr__(self) -> str:
         state = "removed" if self.removed else f"{len(self._torch_handles) + len(self._pre_step)} hooks"

@@ -241,6 +241,8 @@ def _forward_pre(site: Site, handle: AttachSite) -> list[Any]:
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not b.active or (b.train_phase is not None and module.training is not b.train_phase):
+            if b.active:
+                b.skipped_for_phase(site, module.training)
             return None
         b.calls += 1
         site.calls += 1
@@ -261,6 +263,8 @@ def _forward(site: Site, handle: AttachSite) -> list[Any]:
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not b.active or (b.train_phase is not None and module.training is not b.train_phase):
+            if b.active:
+                b.skipped_for_phase(site, module.training)
             return None
         b.calls += 1
         site.calls += 1

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookexp.engine.aliases import Resolved, expand
+from hookexp.engine.aliases import Resolved, alias_hint, expand
 from hookexp.engine.schema import HookSpec
 from hookexp.errors import ConfigError, HookexpError, SpecError, TargetError, did_you_mean
 
@@ -212,7 +212,8 @@ def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, match: 
             ) + ", or use a module kind (forward, output_grad, backward, ...)."
         return f"target {spec.target!r} matches no {what} of {model_name}{kind_note}. {fix}"
     names = [n for n in own if n]
-    hint = did_you_mean(spec.target.removeprefix("re:"), names) if alias is None else ""
+    hint = (alias_hint(model, spec.target, what) or did_you_mean(spec.target.removeprefix("re:"), names)
+            if alias is None else "")
     listing = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
     optional = ", or set optional: true if the spec may match nothing" if hook else ""
     return (

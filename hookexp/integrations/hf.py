@@ -26,10 +26,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import TrainerCallback
-
+from hookexp.errors import MissingExtraError
 from hookexp.telemetry.readback import split_histograms
 from hookexp.telemetry.watch import Watch, as_logger, settings_from
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise MissingExtraError("hookexp.integrations.hf.HookexpCallback (a callback of the transformers Trainer)",
+                            "transformers", "hf", e) from None
 
 
 class HookexpCallback(TrainerCallback):

@@ -22,10 +22,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
-
+from hookexp.errors import MissingExtraError
 from hookexp.telemetry.readback import split_histograms
 from hookexp.telemetry.watch import Watch, as_logger, settings_from
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as e:
+    raise MissingExtraError("hookexp.integrations.lightning.HookexpCallback (a Lightning callback)", "lightning",
+                            "lightning", e) from None
 
 
 class HookexpCallback(Callback):

@@ -30,12 +30,21 @@ def compose(*overrides: str, config_dir: str | Path | None = None) -> Any:
         return hydra_compose("config", overrides=[*overrides, *extra])
 
 
-def train(cfg: Any, run_dir: str | Path) -> dict[str, Any]:
-    """Run the job ``cfg`` describes into ``run_dir`` (refused if it holds another run's results); returns the
-    summary."""
+def train(cfg: Any, run_dir: str | Path, *, resume: bool | str | Path | None = None,
+          overwrite: bool = False) -> dict[str, Any]:
+    """Run the job ``cfg`` describes into ``run_dir``; returns the summary. A ``run_dir`` that holds another run's
+    results is refused, unless ``resume=True`` (continue that run from its checkpoint; ``resume=PATH``: another
+    run's checkpoint or run directory, into this one) or ``overwrite=True`` (delete its results and start over).
+    They stand for the command line's ``resume=...`` and ``+overwrite=true`` (which ``cfg`` may hold as well)."""
+    from omegaconf import open_dict
+
     from hookexp.run.loop import train as train_job
     from hookexp.run.rundir import claim
 
     run_dir = Path(run_dir)
-    claim(run_dir.absolute(), cfg.get("resume"), cfg.get("overwrite"))
-    return train_job(cfg, run_dir)
+    if resume is not None:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.resume = resume if isinstance(resume, bool) else str(resume)
+    claim(run_dir.absolute(), cfg.get("resume"), overwrite or cfg.get("overwrite"), python=True)
+    return train_job(cfg, run_dir, python=True)

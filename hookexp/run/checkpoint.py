@@ -263,7 +263,8 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any], resume: Any = None, *, main: bool = True,
-                 ranks: Dist | None = None):
+                 ranks: Dist | None = None, python: bool = False):
+        self.python = python  # started by hookexp.run.train: its errors name its arguments, not the CLI's flags
         self.ranks = ranks or Dist()
         self.sharded = self.ranks.sharded
         self.run_dir = run_dir
@@ -305,6 +306,11 @@ class Checkpointer:
                 log.warning("no %s: resuming from %s (a save was cut short)", self.source, previous)
                 self.source = previous
             else:
+                if self.python:
+                    raise CheckpointError(f"there is no checkpoint at {self.source}{self._other_layout()}. "
+                                          "train(cfg, run_dir, resume=True) continues the run in run_dir (pass the "
+                                          "interrupted run's directory); resume=PATH names a checkpoint or run "
+                                          "directory.", key="train(resume=...)")
                 raise CheckpointError(f"there is no checkpoint at {self.source}{self._other_layout()}. resume=true "
                                       "continues the run in hydra.run.dir (give hydra.run.dir=<the interrupted run's "
                                       "directory>); resume=PATH names a checkpoint or run directory.", key="resume")

@@ -52,6 +52,63 @@ def export_slurm_environment() -> dict[str, str]:
     return values
 
 
+# Hydra plugins behind config options: (group, option) -> (the plugin's module, its PyPI package). All are in the
+# extra .[sweeps]; the package's own options that build on one (sweep=optuna_lr, hydra/launcher=slurm) are found
+# through their defaults lists.
+PLUGINS = {
+    ("hydra/sweeper", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
+    ("hydra/launcher", "joblib"): ("hydra_plugins.hydra_joblib_launcher", "hydra-joblib-launcher"),
+    ("hydra/launcher", "submitit_slurm"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+    ("hydra/launcher", "submitit_local"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+}
+
+
+def _installed(module: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):  # hydra_plugins (a namespace package) exists only once some plugin does
+        return False
+
+
+def _options_behind(group: str, option: str, seen: frozenset[tuple[str, str]] = frozenset()) -> list[tuple[str, str]]:
+    """``(group, option)`` and the options the package's own config file for it selects in its defaults list."""
+    from importlib import resources
+
+    import yaml
+
+    found = [(group, option)]
+    path = resources.files("hookexp.conf").joinpath(*group.split("/"), f"{option}.yaml")
+    if (group, option) in seen or not path.is_file():
+        return found
+    for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
+        if isinstance(entry, str) and entry != "_self_":  # an option of the same group (slurm: submitit_slurm)
+            found += _options_behind(group, entry, seen | {(group, option)})
+        elif isinstance(entry, dict):  # {"override /hydra/sweeper": "optuna"}
+            for key, value in entry.items():
+                found += _options_behind(key.removeprefix("override ").strip("/"), str(value), seen | {(group, option)})
+    return found
+
+
+def check_plugins(overrides: list[str]) -> None:
+    """Before Hydra composes: an option that needs a Hydra plugin of the extra .[sweeps] that is not installed is
+    one paragraph naming the extra (Hydra would say only "Could not find 'hydra/launcher/joblib'")."""
+    for override in overrides:
+        key, _, values = override.lstrip("+").partition("=")
+        if key not in ("sweep", "hydra/launcher", "hydra/sweeper"):
+            continue
+        for value in (v.strip() for v in values.split(",")):  # a multirun over options: each of them
+            for group, option in _options_behind(key, value):
+                plugin = PLUGINS.get((group, option))
+                if plugin is not None and not _installed(plugin[0]):
+                    via = f" (it selects {group}={option})" if (group, option) != (key, value) else ""
+                    raise ConfigError(
+                        f"{key}={value} needs the Hydra plugin {plugin[1]}{via}, which is not installed. The sweep "
+                        "plugins are the optional extra sweeps: pip install 'hookexp[sweeps]' (in a clone: "
+                        ".venv/bin/pip install -e '.[sweeps]'; ./scripts/test.sh installs every extra).")
+
+
 def _is_slurm(launcher: Mapping[str, Any] | None) -> bool:
     return "slurm" in str((launcher or {}).get("_target_", "")).lower()
 

@@ -56,8 +56,10 @@ def hook_specs(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg.hooks, resolve=True)  # type: ignore[return-value]
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run the job ``cfg`` describes into ``run_dir``; returns the summary (final and best metrics)."""
+def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, python: bool = False
+          ) -> dict[str, Any]:
+    """Run the job ``cfg`` describes into ``run_dir``; returns the summary (final and best metrics). ``python``:
+    started by :func:`hookexp.run.train`, whose errors name its arguments rather than the command line's flags."""
     started = time.perf_counter()
     check_logger(cfg.logger)
     device = pick_device(cfg.trainer.device)
@@ -67,7 +69,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         device = ranks.place(device)
         main = ranks.is_main  # only rank 0 writes files and logs
         run_dir = ranks.broadcast(run_dir)  # rank 0's (each rank's Hydra may have named its own timestamped one)
-        ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, main=main, ranks=ranks)
+        ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, main=main, ranks=ranks,
+                            python=python)
         resumed = ckpt.load()  # a bad checkpoint fails before anything is built or written
         if main:
             require_writable(run_dir)

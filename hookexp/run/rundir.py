@@ -29,6 +29,8 @@ RESUMABLE_CHANGES = ("trainer.max_steps", "trainer.epochs", "trainer.progress", 
                      "trainer.device", "trainer.num_threads", "trainer.save_records", "data.num_workers",
                      "logger.", "resume")
 
+PYTHON_KEY = "train(run_dir=...)"  # what the errors of hookexp.run.train are about (the CLI's: hydra.run.dir)
+
 
 def results_in(run_dir: Path) -> list[str]:
     return [name for name in RESULTS if (run_dir / name).exists()]
@@ -38,7 +40,7 @@ def truthy(value: object) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
-def require_creatable(run_dir: Path) -> None:
+def require_creatable(run_dir: Path, python: bool = False) -> None:
     """One paragraph when the run directory cannot be made or written: a file where a folder of its path should be,
     a read-only disk, no permission. (Checked before Hydra makes it, whose error would be a traceback.)"""
     there = run_dir
@@ -50,14 +52,18 @@ def require_creatable(run_dir: Path) -> None:
         why = f"{there} is not writable (permissions, or a read-only file system)"
     else:
         return
+    if python:
+        raise RunDirError(f"cannot write the run directory {run_dir}: {why}. Pass a writable run_dir, or fix the path "
+                          "or its permissions.", key=PYTHON_KEY)
     raise RunDirError(f"cannot write the run directory {run_dir}: {why}. Choose a writable directory with "
                       "hydra.run.dir=PATH, or fix the path or its permissions.", key="hydra.run.dir")
 
 
-def claim(run_dir: Path, resume: object, overwrite: object) -> bool:
+def claim(run_dir: Path, resume: object, overwrite: object, python: bool = False) -> bool:
     """Check ``run_dir`` before a run starts; returns whether this launch creates it (then a failure before
-    training removes it again)."""
-    require_creatable(run_dir)
+    training removes it again). ``python``: the launch is :func:`hookexp.run.train`, whose errors name its
+    arguments (``resume=True``, ``overwrite=True``, ``run_dir``) rather than the command line's flags."""
+    require_creatable(run_dir, python)
     if not run_dir.exists():
         return True
     found = results_in(run_dir)
@@ -71,8 +77,13 @@ def claim(run_dir: Path, resume: object, overwrite: object) -> bool:
             elif path.exists():
                 path.unlink()
         return False
-    raise RunDirError(f"{run_dir} already holds a run ({', '.join(found)}); a new run there would mix its results "
-                      f"with that one's. Continue that run with resume=true hydra.run.dir={run_dir}, start it over "
+    clash = (f"{run_dir} already holds a run ({', '.join(found)}); a new run there would mix its results with that "
+             "one's.")
+    if python:
+        raise RunDirError(f"{clash} Continue that run with train(cfg, run_dir, resume=True), start it over with "
+                          "train(cfg, run_dir, overwrite=True) (deletes its results), or pass another run_dir.",
+                          key=PYTHON_KEY)
+    raise RunDirError(f"{clash} Continue that run with resume=true hydra.run.dir={run_dir}, start it over "
                       "with +overwrite=true (deletes its results), or choose another directory "
                       "(hydra.run.dir=PATH, or leave it out for a new timestamped one).", key="hydra.run.dir")
 
