@@ -122,7 +122,7 @@ def run(cfg: DictConfig) -> Any:
     run_dir = Path(hc.runtime.output_dir)
     check_config(cfg)
     overrides = list(hc.overrides.task)
-    check_hook_files(hc.job.config_name, overrides)
+    check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
     from hookexp.run.loop import dry_run, train  # torch is imported only once the config is checked

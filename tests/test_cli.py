@@ -256,6 +256,35 @@ def test_the_same_spec_name_in_two_selected_hook_files_is_refused_naming_both(wo
     assert compose("hooks=[a]", config_dir=conf).hooks.clip.kind == "output_grad"
 
 
+def config_dir_flags(how: str, conf: Path) -> list[str]:
+    return ["--config-dir", str(conf)] if how == "config-dir" else [f"hydra.searchpath=[file://{conf}]"]
+
+
+@pytest.mark.parametrize("how", ["config-dir", "searchpath"])
+def test_a_users_config_directory_is_found_by_config_dir_and_by_hydra_searchpath(how, workdir):
+    """Issue 27.10: both ways Hydra documents find the user's hooks/ and model/ files."""
+    conf = hook_files(workdir)
+    (conf / "model").mkdir()
+    (conf / "model" / "tiny.yaml").write_text("_target_: hookexp.models.MLP\ninput_dim: auto\noutput_dim: auto\n"
+                                              "depth: 2\nwidth: 8\n")
+    done = run_cli([*config_dir_flags(how, conf), "model=tiny", "hooks=b", "+dry_run=true", "logger=none",
+                    "hydra.run.dir=run"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads((workdir / "run" / "dry_run.json").read_text())["hooks"]
+    assert row["spec"] == "clip" and row["kind"] == "forward" and row["targets"] == ["fc1"]
+
+
+@pytest.mark.parametrize("how", ["config-dir", "searchpath"])
+def test_two_hook_files_of_a_users_config_directory_defining_one_spec_are_hookexps_error(how, workdir):
+    """Issue 27.11: the same refusal whichever way the directory was given."""
+    done = run_cli([*config_dir_flags(how, hook_files(workdir)), "hooks=[a,b]", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2 and not (workdir / "run").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hookexp: error: hooks.clip: spec 'clip' is defined by two hook files, hooks/a.yaml and hooks/b.yaml; Hydra "
+        "would merge them and the second would silently replace the first. Rename the spec in one of them (a spec "
+        "name is unique in a run).")
+
+
 def test_a_batch_the_model_cannot_take_names_the_data_and_the_fix(workdir):
     """A mapping batch whose keys are not the model's forward parameters: one paragraph, not torch's TypeError."""
     (workdir / "mapdata.py").write_text(
