@@ -29,7 +29,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationKeyError
 
 from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
@@ -49,6 +50,26 @@ def check_config(cfg: DictConfig) -> None:
                               key=str(key))
     for group, schema in TYPED_GROUPS.items():
         _check_fields(cfg.get(group), schema, group)
+    _check_interpolations(cfg)
+
+
+def _check_interpolations(cfg: DictConfig) -> None:
+    """An interpolation that names a key the config lacks (a model's ``num_classes: ${data.num_classes}``):
+    one paragraph naming the key that holds it and what it names, not OmegaConf's traceback."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationKeyError as e:
+        key = str(e.full_key)
+        parent, _, last = key.rpartition(".")
+        raw = OmegaConf.to_container(OmegaConf.select(cfg, parent) if parent else cfg)
+        written = raw.get(last, "its interpolation") if isinstance(raw, dict) else "its interpolation"
+        missing = str(e.msg).split("'")[1] if str(e.msg).count("'") >= 2 else "?"
+        owner, _, name = missing.rpartition(".")
+        there = OmegaConf.select(cfg, owner) if owner else cfg
+        has = (f"{did_you_mean(name, [str(k) for k in there])} {owner or 'The config'} has: "
+               f"{', '.join(str(k) for k in there)}." if isinstance(there, DictConfig) else "")
+        raise ConfigError(f"{written} names {missing}, a key the config does not have.{has} Set {key} to a value, "
+                          "or make the interpolation name a key that exists.", key=key) from None
 
 
 def _check_fields(node: Any, schema: Any, where: str) -> None:

@@ -98,6 +98,21 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     assert not (workdir / "run").exists()
 
 
+def test_an_interpolation_naming_a_missing_key_is_one_paragraph(workdir):
+    """Issue 27.8: a model file written for an older data option (``${data.num_classes}``)."""
+    (workdir / "mine" / "model").mkdir(parents=True)
+    (workdir / "mine" / "model" / "old.yaml").write_text("_target_: hookexp.models.SmallCNN\n"
+                                                         "num_classes: ${data.num_classes}\n")
+    done = run_cli(["--config-dir", str(workdir / "mine"), "model=old", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2 and not (workdir / "run").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hookexp: error: model.num_classes: ${data.num_classes} names data.num_classes, a key the config does not "
+        "have. Did you mean 'num_workers'? data has: batch_size, eval_batch_size, num_workers, val_fraction, "
+        "split_seed, collate_fn, dataset. Set model.num_classes to a value, or make the interpolation name a key "
+        "that exists.")
+    assert "Traceback" not in done.stderr and "InterpolationKeyError" not in done.stderr
+
+
 def test_an_invalid_wandb_mode_in_the_environment_is_named(workdir, monkeypatch):
     done = run_cli(["trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_MODE": ""})
     assert done.returncode == 2
