@@ -15,6 +15,7 @@ W&B runs of a sweep are grouped by the sweep directory and named by the job's ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,6 +23,7 @@ import os
 import sys
 import traceback
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -106,6 +108,35 @@ def check_hook_files(config_name: str, overrides: list[str]) -> None:
                                   "Hydra would merge them and the second would silently replace the first. Rename "
                                   "the spec in one of them (a spec name is unique in a run).", key=f"hooks.{name}")
             owner[str(name)] = path
+
+
+@contextlib.contextmanager
+def unknown_keys_as_additions() -> Iterator[None]:
+    """While Hydra composes: an override of a key the config lacks (``trainer.max_step=20``) is applied as
+    ``+trainer.max_step=20``, so that hookexp's checks answer the typo with their did-you-mean instead of Hydra's
+    advice to add it (``hydra.*`` keys stay Hydra's). Hydra offers no hook there; hydra-core is pinned below 1.4."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    apply = ConfigLoaderImpl._apply_overrides_to_config
+
+    def apply_each(overrides: list[Any], cfg: DictConfig) -> None:
+        for override in overrides:
+            try:
+                apply([override], cfg)
+            except ConfigCompositionException as e:
+                if (override.type != OverrideType.CHANGE or override.key_or_group.startswith("hydra.")
+                        or not isinstance(e.__cause__, (ConfigAttributeError, ConfigKeyError))):
+                    raise
+                apply([dataclasses.replace(override, type=OverrideType.FORCE_ADD)], cfg)
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_each)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
 
 
 def apply_ablation(cfg: DictConfig) -> None:
@@ -254,7 +285,8 @@ def main() -> None:
     sys.argv = [sys.argv[0], *others, *overrides]
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun only rank 0 writes: Hydra's files too
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    _hydra_main()
+    with unknown_keys_as_additions():
+        _hydra_main()
 
 
 if __name__ == "__main__":

@@ -81,6 +81,14 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
           "Did you mean 'conv2' or 'conv1'?", "Its modules are: conv1, relu1, conv2"]),
         (["+dry_ru=true"], ["hookexp: error: dry_ru: unknown top-level key. Did you mean 'dry_run'?"]),
         (["+trainer.epoch=3"], ["hookexp: error: trainer.epoch: unknown key. Did you mean 'epochs'?"]),
+        # issue 27.6: a misspelled key without + gets the did-you-mean, not Hydra's advice to add it
+        (["trainer.max_step=20"], ["hookexp: error: trainer.max_step: unknown key. Did you mean 'max_steps'?"]),
+        (["hooks=clamp_conv", "hooks.clamp_conv.args.maxx=1"],
+         ["hookexp: error: hooks.clamp_conv.args.maxx: transform 'clamp' has no argument 'maxx'. Did you mean 'max'?"]),
+        (["model.hiden=3"], ["hookexp: error: model.hiden: SmallCNN has no parameter 'hiden'. Did you mean 'hidden'?"]),
+        (["sed=1"], ["hookexp: error: sed: unknown top-level key. Did you mean 'seed'"]),
+        (["scheduler.warmup_steps=3"], ["hookexp: error: scheduler.warmup_steps: a constant learning rate "
+                                        "(scheduler=none) takes no keys, got warmup_steps. Pick a schedule first"]),
         (["+optim.betas=[0.9,0.99]"], ["hookexp: error: optim.betas: SGD has no parameter 'betas'.",
                                        "Its parameters: lr, momentum, dampening, weight_decay, nesterov,"]),
         (["optim=adamw", "optim.lr=abc"], ["hookexp: error: optim.lr: expected a number, got 'abc'."]),
@@ -94,7 +102,7 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     text = done.stderr + done.stdout
     for piece in expected:
         assert piece in text, text[-2000:]
-    assert "Traceback" not in text
+    assert "Traceback" not in text and "To append to your config" not in text
     assert not (workdir / "run").exists()
 
 
