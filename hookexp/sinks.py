@@ -255,6 +255,14 @@ def check_logger(cfg: Mapping[str, Any]) -> None:
                           "or disabled.", key="WANDB_MODE")
 
 
+def wandb_mode(cfg: Mapping[str, Any]) -> str:
+    """The W&B mode a run uses: ``WANDB_MODE`` in the environment wins over ``logger.mode``, as W&B users expect
+    (CI switches W&B off with ``WANDB_MODE=disabled``); W&B's old names ``dryrun`` and ``run`` are offline and
+    online. :func:`check_logger` has refused any other value."""
+    env = os.environ.get("WANDB_MODE")
+    return str(cfg.get("mode", "offline")) if env is None else {"dryrun": "offline", "run": "online"}.get(env, env)
+
+
 class WandbSink:
     """One W&B run per job. ``mode=offline`` writes it under ``<run_dir>/wandb``; an unreachable
     server in ``online`` mode falls back to offline with one warning instead of killing training.
@@ -280,7 +288,10 @@ class WandbSink:
         )
         if run_id is not None:  # a resumed run continues its W&B run
             kwargs.update(id=run_id, resume="allow")
-        mode = cfg.get("mode", "offline")
+        mode = wandb_mode(cfg)
+        if mode != cfg.get("mode", "offline"):
+            log.info("W&B mode %s, from WANDB_MODE in the environment (it wins over logger.mode=%s)", mode,
+                     cfg.get("mode"))
         timeout = float(cfg.get("init_timeout", 30.0))
         if mode == "online":
             base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"

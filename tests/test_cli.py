@@ -205,6 +205,18 @@ def test_without_wandb_the_local_files_are_still_written(args, workdir):
     assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 2, 2]
 
 
+@pytest.mark.parametrize(("environment", "args", "writes_wandb"), [("disabled", [], False),
+                                                                   ("offline", ["logger.mode=disabled"], True)])
+def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, writes_wandb, workdir):
+    """Issue 27.12: CI switches W&B off with WANDB_MODE=disabled; any valid WANDB_MODE wins, as W&B users expect."""
+    done = run_cli([*args, "trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_MODE": environment})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (workdir / "run" / "wandb").exists() == writes_wandb
+    assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 1, 1]
+    if writes_wandb:
+        assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
+
+
 def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes_on_offline(workdir):
     """Issue 20.14: a server that accepts connections and never answers used to cost ~20 s before training and
     ~26 s at exit with init_timeout=5; now init_timeout bounds the whole wait (a liveness bound, not a speed test)."""
