@@ -301,15 +301,16 @@ class WandbSink:
                 mode = "offline"
                 # W&B's own telemetry exporter would wait on the same server at exit (~10 s with wandb 0.31)
                 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        # quiet: W&B's ~30 lines of history and summary at the end would bury hookexp's own summary line
+        settings = wandb.Settings(init_timeout=timeout, quiet=bool(cfg.get("quiet", True)))
         try:
-            settings = wandb.Settings(init_timeout=timeout)
             self.run = wandb.init(mode=mode, settings=settings, **kwargs)
         except Exception as e:
             if mode != "online":
                 raise
             log.warning("W&B online init failed (%s: %s); logging offline under %s/wandb instead. Upload later with "
                         "`wandb sync`.", type(e).__name__, e, run_dir)
-            self.run = wandb.init(mode="offline", **kwargs)
+            self.run = wandb.init(mode="offline", settings=settings, **kwargs)
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
         if hooks_table:

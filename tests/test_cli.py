@@ -217,6 +217,16 @@ def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, 
         assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
 
 
+def test_a_wandb_run_keeps_the_terminal_quiet_and_the_last_line_is_hookexps(workdir):
+    """Issue 27.21: no W&B history and summary at the end of each run (W&B's own quiet setting)."""
+    done = run_cli(["trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_SILENT": "false"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("wandb:")]
+    assert said and not [line for line in said if any(w in line for w in ("Run history", "Run summary", "wandb sync"))]
+    assert done.stdout.strip().splitlines()[-1].split("][")[-1].startswith("INFO] - finished 2 steps in ")
+    assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
+
+
 def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes_on_offline(workdir):
     """Issue 20.14: a server that accepts connections and never answers used to cost ~20 s before training and
     ~26 s at exit with init_timeout=5; now init_timeout bounds the whole wait (a liveness bound, not a speed test)."""
