@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 import typing
@@ -187,6 +188,9 @@ def run(cfg: DictConfig) -> Any:
         print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
               f"continue with: python -m hookexp resume=true hydra.run.dir={run_dir}", file=sys.stderr)
         sys.exit(128 + int(summary["signal"]))
+    if hc.mode == RunMode.RUN:  # finished: a stop signal now has nothing to stop, and a finished run exits 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     shown = ", ".join(f"{k}={v:.4g}" for k, v in summary.items()
                       if k.startswith(("train/", "val/")) and isinstance(v, float))
     log.info("finished %d steps in %.1f s: %s; run directory: %s", summary["trainer/steps"], summary["runtime_s"],

@@ -7,6 +7,7 @@ Modes:
 - ``kill_in_metrics:N``: the N-th flush of the run's JSON lines writes half its bytes, then SIGKILL.
 - ``kill_in_shutdown``: SIGKILL while the final plot is drawn (after training and validation).
 - ``term_in_shutdown``: SIGTERM to itself while the final plot is drawn; the shutdown must go on.
+- ``term_after_finish``: SIGTERM to itself as it logs that the run finished.
 - ``fsize:BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE; writes past it fail with EFBIG): a full disk.
 """
 
@@ -83,6 +84,16 @@ def main() -> None:
             return real_plot(*a, **k)
 
         train.plot_grad_norms = plot
+    elif name == "term_after_finish":
+        import logging
+
+        class Term(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                if record.getMessage().startswith("finished "):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return True
+
+        logging.getLogger("hookexp").addFilter(Term())
     elif name == "fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.RLIM_INFINITY))
