@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -184,9 +185,13 @@ def run(cfg: DictConfig) -> Any:
     if cfg.get("dry_run"):
         return dry_run(cfg, run_dir, overrides)
     summary = train(cfg, run_dir, overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
+        rundir.remove_unstarted(run_dir)  # torchrun: this rank's Hydra named its own directory; the run is rank 0's
     if summary["status"] == "interrupted":
-        print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
-              f"continue with: python -m hookexp resume=true hydra.run.dir={run_dir}", file=sys.stderr)
+        if rank == 0:
+            print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
+                  f"continue with: {resume_command(Path(summary['run_dir']))}", file=sys.stderr)
         sys.exit(128 + int(summary["signal"]))
     if hc.mode == RunMode.RUN:  # finished: a stop signal now has nothing to stop, and a finished run exits 0
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -199,6 +204,23 @@ def run(cfg: DictConfig) -> Any:
         if isinstance(summary.get(key), float):
             return summary[key] if key == "val/acc" else -summary[key]
     return None
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues ``run_dir``, runnable where the user stands: the interpreter that is running (or
+    the ``hookexp`` script that was run), under torchrun the torchrun command with its node and process counts."""
+    tail = ["resume=true", f"hydra.run.dir={run_dir}"]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        torchrun = Path(sys.executable).with_name("torchrun")
+        head = [str(torchrun)] if torchrun.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+        head += [f"--nnodes={int(os.environ.get('WORLD_SIZE', per_node)) // per_node}",
+                 f"--nproc_per_node={per_node}", "-m", "hookexp"]
+    elif Path(sys.argv[0]).name == "hookexp" and Path(sys.argv[0]).is_file():  # the console script
+        head = [os.path.abspath(sys.argv[0])]
+    else:
+        head = [sys.executable, "-m", "hookexp"]
+    return shlex.join([*head, *tail])
 
 
 @hydra.main(version_base="1.3", config_path="pkg://hookexp.conf", config_name="config")

@@ -159,14 +159,22 @@ def test_a_run_directory_holds_one_run_and_resume_recomposes_its_config(workdir)
 
 
 def test_the_resume_command_an_interrupted_run_prints_works(workdir):
+    """Issue 27.2: the command names the interpreter that ran, so it works where `python` is another one."""
+    import shlex
+    import subprocess
+    import sys
+
     stop = "+hooks.stop={target:fc2,kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"
     done = run_cli([stop, "trainer.max_steps=6", "hydra.run.dir=run", "logger=none"], workdir)
     assert done.returncode == 128 + 15, done.stderr[-2000:]
     hint = done.stderr.strip().splitlines()[-1]
-    assert hint == (f"hookexp: interrupted by signal 15 after step 4; continue with: python -m hookexp resume=true "
-                    f"hydra.run.dir={workdir / 'run'}")
-    command = hint.split("continue with: ")[1].split()
-    resumed = run_cli(command[3:], workdir)  # exactly the printed overrides
+    assert hint == (f"hookexp: interrupted by signal 15 after step 4; continue with: {sys.executable} -m hookexp "
+                    f"resume=true hydra.run.dir={workdir / 'run'}")
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent), "WANDB_SILENT": "true"}
+    resumed = subprocess.run(shlex.split(hint.split("continue with: ")[1]), cwd=elsewhere, env=env,
+                             capture_output=True, text=True, timeout=300)  # exactly the printed command
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((workdir / "run" / "summary.json").read_text())["trainer/steps"] == 6
 
