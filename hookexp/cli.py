@@ -54,6 +54,12 @@ def check_config(cfg: DictConfig) -> None:
                               key=str(key))
     for group, schema in TYPED_GROUPS.items():
         _check_fields(cfg.get(group), schema, group)
+    specs = [str(name) for name in cfg.get("hooks") or {}]
+    for name in specs:  # hooks.clmap_conv.args.min=1: a misspelled spec name, not a new spec
+        if isinstance(cfg.hooks[name], DictConfig) and not {"target", "kind"} & set(cfg.hooks[name]):
+            raise ConfigError(f"no hook spec named {name!r}.{did_you_mean(name, set(specs) - {name})} The specs are: "
+                              f"{', '.join(s for s in specs if s != name) or '(none)'}; a new spec needs a target and "
+                              f"a kind (+hooks.{name}={{target: fc1, kind: forward, ...}}).", key=f"hooks.{name}")
     _check_interpolations(cfg)
 
 

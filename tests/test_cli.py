@@ -85,6 +85,8 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
         (["trainer.max_step=20"], ["hookexp: error: trainer.max_step: unknown key. Did you mean 'max_steps'?"]),
         (["hooks=clamp_conv", "hooks.clamp_conv.args.maxx=1"],
          ["hookexp: error: hooks.clamp_conv.args.maxx: transform 'clamp' has no argument 'maxx'. Did you mean 'max'?"]),
+        (["hooks=clamp_conv", "hooks.clmap_conv.args.min=1"],
+         ["hookexp: error: hooks.clmap_conv: no hook spec named 'clmap_conv'. Did you mean 'clamp_conv'?"]),
         (["model.hiden=3"], ["hookexp: error: model.hiden: SmallCNN has no parameter 'hiden'. Did you mean 'hidden'?"]),
         (["sed=1"], ["hookexp: error: sed: unknown top-level key. Did you mean 'seed'"]),
         (["scheduler.warmup_steps=3"], ["hookexp: error: scheduler.warmup_steps: a constant learning rate "
