@@ -15,13 +15,17 @@ W&B runs of a sweep are grouped by the sweep directory and named by the job's ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shlex
+import signal
 import sys
 import traceback
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,7 +33,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationKeyError
 
 from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
@@ -49,6 +54,32 @@ def check_config(cfg: DictConfig) -> None:
                               key=str(key))
     for group, schema in TYPED_GROUPS.items():
         _check_fields(cfg.get(group), schema, group)
+    specs = [str(name) for name in cfg.get("hooks") or {}]
+    for name in specs:  # hooks.clmap_conv.args.min=1: a misspelled spec name, not a new spec
+        if isinstance(cfg.hooks[name], DictConfig) and not {"target", "kind"} & set(cfg.hooks[name]):
+            raise ConfigError(f"no hook spec named {name!r}.{did_you_mean(name, set(specs) - {name})} The specs are: "
+                              f"{', '.join(s for s in specs if s != name) or '(none)'}; a new spec needs a target and "
+                              f"a kind (+hooks.{name}={{target: fc1, kind: forward, ...}}).", key=f"hooks.{name}")
+    _check_interpolations(cfg)
+
+
+def _check_interpolations(cfg: DictConfig) -> None:
+    """An interpolation that names a key the config lacks (a model's ``num_classes: ${data.num_classes}``):
+    one paragraph naming the key that holds it and what it names, not OmegaConf's traceback."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationKeyError as e:
+        key = str(e.full_key)
+        parent, _, last = key.rpartition(".")
+        raw = OmegaConf.to_container(OmegaConf.select(cfg, parent) if parent else cfg)
+        written = raw.get(last, "its interpolation") if isinstance(raw, dict) else "its interpolation"
+        missing = str(e.msg).split("'")[1] if str(e.msg).count("'") >= 2 else "?"
+        owner, _, name = missing.rpartition(".")
+        there = OmegaConf.select(cfg, owner) if owner else cfg
+        has = (f"{did_you_mean(name, [str(k) for k in there])} {owner or 'The config'} has: "
+               f"{', '.join(str(k) for k in there)}." if isinstance(there, DictConfig) else "")
+        raise ConfigError(f"{written} names {missing}, a key the config does not have.{has} Set {key} to a value, "
+                          "or make the interpolation name a key that exists.", key=key) from None
 
 
 def _check_fields(node: Any, schema: Any, where: str) -> None:
@@ -87,6 +118,35 @@ def check_hook_files(config_name: str, overrides: list[str]) -> None:
             owner[str(name)] = path
 
 
+@contextlib.contextmanager
+def unknown_keys_as_additions() -> Iterator[None]:
+    """While Hydra composes: an override of a key the config lacks (``trainer.max_step=20``) is applied as
+    ``+trainer.max_step=20``, so that hookexp's checks answer the typo with their did-you-mean instead of Hydra's
+    advice to add it (``hydra.*`` keys stay Hydra's). Hydra offers no hook there; hydra-core is pinned below 1.4."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    apply = ConfigLoaderImpl._apply_overrides_to_config
+
+    def apply_each(overrides: list[Any], cfg: DictConfig) -> None:
+        for override in overrides:
+            try:
+                apply([override], cfg)
+            except ConfigCompositionException as e:
+                if (override.type != OverrideType.CHANGE or override.key_or_group.startswith("hydra.")
+                        or not isinstance(e.__cause__, (ConfigAttributeError, ConfigKeyError))):
+                    raise
+                apply([dataclasses.replace(override, type=OverrideType.FORCE_ADD)], cfg)
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_each)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
+
+
 def apply_ablation(cfg: DictConfig) -> None:
     """``+ablate=NAME``: disable spec NAME; ``none`` keeps every spec, ``all`` disables every spec."""
     target = cfg.get("ablate")
@@ -122,7 +182,7 @@ def run(cfg: DictConfig) -> Any:
     run_dir = Path(hc.runtime.output_dir)
     check_config(cfg)
     overrides = list(hc.overrides.task)
-    check_hook_files(hc.job.config_name, overrides)
+    check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
     from hookexp.run.loop import dry_run, train  # torch is imported only once the config is checked
@@ -131,10 +191,17 @@ def run(cfg: DictConfig) -> Any:
     if cfg.get("dry_run"):
         return dry_run(cfg, run_dir, overrides)
     summary = train(cfg, run_dir, overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
+        rundir.remove_unstarted(run_dir)  # torchrun: this rank's Hydra named its own directory; the run is rank 0's
     if summary["status"] == "interrupted":
-        print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
-              f"continue with: python -m hookexp resume=true hydra.run.dir={run_dir}", file=sys.stderr)
+        if rank == 0:
+            print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
+                  f"continue with: {resume_command(Path(summary['run_dir']))}", file=sys.stderr)
         sys.exit(128 + int(summary["signal"]))
+    if hc.mode == RunMode.RUN:  # finished: a stop signal now has nothing to stop, and a finished run exits 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     shown = ", ".join(f"{k}={v:.4g}" for k, v in summary.items()
                       if k.startswith(("train/", "val/")) and isinstance(v, float))
     log.info("finished %d steps (%s reached) in %.1f s: %s; run directory: %s", summary["trainer/steps"],
@@ -143,6 +210,23 @@ def run(cfg: DictConfig) -> Any:
         if isinstance(summary.get(key), float):
             return summary[key] if key == "val/acc" else -summary[key]
     return None
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues ``run_dir``, runnable where the user stands: the interpreter that is running (or
+    the ``hookexp`` script that was run), under torchrun the torchrun command with its node and process counts."""
+    tail = ["resume=true", f"hydra.run.dir={run_dir}"]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        torchrun = Path(sys.executable).with_name("torchrun")
+        head = [str(torchrun)] if torchrun.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+        head += [f"--nnodes={int(os.environ.get('WORLD_SIZE', per_node)) // per_node}",
+                 f"--nproc_per_node={per_node}", "-m", "hookexp"]
+    elif Path(sys.argv[0]).name == "hookexp" and Path(sys.argv[0]).is_file():  # the console script
+        head = [os.path.abspath(sys.argv[0])]
+    else:
+        head = [sys.executable, "-m", "hookexp"]
+    return shlex.join([*head, *tail])
 
 
 @hydra.main(version_base="1.3", config_path="pkg://hookexp.conf", config_name="config")
@@ -234,7 +318,8 @@ def main() -> None:
     sys.argv = [sys.argv[0], *others, *overrides]
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun only rank 0 writes: Hydra's files too
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    _hydra_main()
+    with unknown_keys_as_additions():
+        _hydra_main()
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ class LoggerConfig:
     name: Optional[str] = None  # noqa: UP045
     tags: list[str] = field(default_factory=list)
     init_timeout: float = 30.0  # seconds to reach the W&B server in online mode before logging offline
+    quiet: bool = True  # W&B's quiet setting: no history and summary printed at the end of each run
 
 
 @dataclass

@@ -274,6 +274,14 @@ def check_logger(cfg: Mapping[str, Any]) -> None:
                           "or disabled.", key="WANDB_MODE")
 
 
+def wandb_mode(cfg: Mapping[str, Any]) -> str:
+    """The W&B mode a run uses: ``WANDB_MODE`` in the environment wins over ``logger.mode``, as W&B users expect
+    (CI switches W&B off with ``WANDB_MODE=disabled``); W&B's old names ``dryrun`` and ``run`` are offline and
+    online. :func:`check_logger` has refused any other value."""
+    env = os.environ.get("WANDB_MODE")
+    return str(cfg.get("mode", "offline")) if env is None else {"dryrun": "offline", "run": "online"}.get(env, env)
+
+
 class WandbSink:
     """One W&B run per job. ``mode=offline`` writes it under ``<run_dir>/wandb``; an unreachable
     server in ``online`` mode falls back to offline with one warning instead of killing training.
@@ -299,7 +307,10 @@ class WandbSink:
         )
         if run_id is not None:  # a resumed run continues its W&B run
             kwargs.update(id=run_id, resume="allow")
-        mode = cfg.get("mode", "offline")
+        mode = wandb_mode(cfg)
+        if mode != cfg.get("mode", "offline"):
+            log.info("W&B mode %s, from WANDB_MODE in the environment (it wins over logger.mode=%s)", mode,
+                     cfg.get("mode"))
         timeout = float(cfg.get("init_timeout", 30.0))
         if mode == "online":
             base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
@@ -309,15 +320,16 @@ class WandbSink:
                 mode = "offline"
                 # W&B's own telemetry exporter would wait on the same server at exit (~10 s with wandb 0.31)
                 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        # quiet: W&B's ~30 lines of history and summary at the end would bury hookexp's own summary line
+        settings = wandb.Settings(init_timeout=timeout, quiet=bool(cfg.get("quiet", True)))
         try:
-            settings = wandb.Settings(init_timeout=timeout)
             self.run = wandb.init(mode=mode, settings=settings, **kwargs)
         except Exception as e:
             if mode != "online":
                 raise
             log.warning("W&B online init failed (%s: %s); logging offline under %s/wandb instead. Upload later with "
                         "`wandb sync`.", type(e).__name__, e, run_dir)
-            self.run = wandb.init(mode="offline", **kwargs)
+            self.run = wandb.init(mode="offline", settings=settings, **kwargs)
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
         if hooks_table:

@@ -9,6 +9,7 @@ Modes:
 - ``term_in_shutdown``: SIGTERM to itself while the final plot is drawn; the shutdown must go on.
 - ``enospc_in_checkpoint:N``: the N-th checkpoint file fills the disk after 100 bytes (OSError ENOSPC inside
   torch.save, which torch's zip writer turns into a RuntimeError).
+- ``term_after_finish``: SIGTERM to itself as it logs that the run finished.
 - ``fsize:BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE; writes past it fail with EFBIG): a full disk.
 """
 
@@ -101,6 +102,16 @@ def main() -> None:
             return Full(path, mode) if hit else open(path, mode, *a, **k)
 
         checkpoint.open = _after(int(value), opened)  # type: ignore[attr-defined]
+    elif name == "term_after_finish":
+        import logging
+
+        class Term(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                if record.getMessage().startswith("finished "):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return True
+
+        logging.getLogger("hookexp").addFilter(Term())
     elif name == "fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.RLIM_INFINITY))

@@ -81,6 +81,16 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
           "Did you mean 'conv2' or 'conv1'?", "Its modules are: conv1, relu1, conv2"]),
         (["+dry_ru=true"], ["hookexp: error: dry_ru: unknown top-level key. Did you mean 'dry_run'?"]),
         (["+trainer.epoch=3"], ["hookexp: error: trainer.epoch: unknown key. Did you mean 'epochs'?"]),
+        # issue 27.6: a misspelled key without + gets the did-you-mean, not Hydra's advice to add it
+        (["trainer.max_step=20"], ["hookexp: error: trainer.max_step: unknown key. Did you mean 'max_steps'?"]),
+        (["hooks=clamp_conv", "hooks.clamp_conv.args.maxx=1"],
+         ["hookexp: error: hooks.clamp_conv.args.maxx: transform 'clamp' has no argument 'maxx'. Did you mean 'max'?"]),
+        (["hooks=clamp_conv", "hooks.clmap_conv.args.min=1"],
+         ["hookexp: error: hooks.clmap_conv: no hook spec named 'clmap_conv'. Did you mean 'clamp_conv'?"]),
+        (["model.hiden=3"], ["hookexp: error: model.hiden: SmallCNN has no parameter 'hiden'. Did you mean 'hidden'?"]),
+        (["sed=1"], ["hookexp: error: sed: unknown top-level key. Did you mean 'seed'"]),
+        (["scheduler.warmup_steps=3"], ["hookexp: error: scheduler.warmup_steps: a constant learning rate "
+                                        "(scheduler=none) takes no keys, got warmup_steps. Pick a schedule first"]),
         (["+optim.betas=[0.9,0.99]"], ["hookexp: error: optim.betas: SGD has no parameter 'betas'.",
                                        "Its parameters: lr, momentum, dampening, weight_decay, nesterov,"]),
         (["optim=adamw", "optim.lr=abc"], ["hookexp: error: optim.lr: expected a number, got 'abc'."]),
@@ -94,7 +104,7 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     text = done.stderr + done.stdout
     for piece in expected:
         assert piece in text, text[-2000:]
-    assert "Traceback" not in text
+    assert "Traceback" not in text and "To append to your config" not in text
     assert not (workdir / "run").exists()
 
 
@@ -111,6 +121,21 @@ def test_an_explicit_max_steps_lifts_the_default_epochs_and_the_final_line_names
     assert both.returncode == 0, both.stderr[-3000:]
     last = (workdir / "both" / "cli.log").read_text().splitlines()[-1]
     assert "finished 6 steps (trainer.epochs=3 reached) in " in last
+
+
+def test_an_interpolation_naming_a_missing_key_is_one_paragraph(workdir):
+    """Issue 27.8: a model file written for an older data option (``${data.num_classes}``)."""
+    (workdir / "mine" / "model").mkdir(parents=True)
+    (workdir / "mine" / "model" / "old.yaml").write_text("_target_: hookexp.models.SmallCNN\n"
+                                                         "num_classes: ${data.num_classes}\n")
+    done = run_cli(["--config-dir", str(workdir / "mine"), "model=old", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2 and not (workdir / "run").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hookexp: error: model.num_classes: ${data.num_classes} names data.num_classes, a key the config does not "
+        "have. Did you mean 'num_workers'? data has: batch_size, eval_batch_size, num_workers, val_fraction, "
+        "split_seed, collate_fn, dataset. Set model.num_classes to a value, or make the interpolation name a key "
+        "that exists.")
+    assert "Traceback" not in done.stderr and "InterpolationKeyError" not in done.stderr
 
 
 def test_an_invalid_wandb_mode_in_the_environment_is_named(workdir, monkeypatch):
@@ -151,14 +176,22 @@ def test_a_run_directory_holds_one_run_and_resume_recomposes_its_config(workdir)
 
 
 def test_the_resume_command_an_interrupted_run_prints_works(workdir):
+    """Issue 27.2: the command names the interpreter that ran, so it works where `python` is another one."""
+    import shlex
+    import subprocess
+    import sys
+
     stop = "+hooks.stop={target:fc2,kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"
     done = run_cli([stop, "trainer.max_steps=6", "hydra.run.dir=run", "logger=none"], workdir)
     assert done.returncode == 128 + 15, done.stderr[-2000:]
     hint = done.stderr.strip().splitlines()[-1]
-    assert hint == (f"hookexp: interrupted by signal 15 after step 4; continue with: python -m hookexp resume=true "
-                    f"hydra.run.dir={workdir / 'run'}")
-    command = hint.split("continue with: ")[1].split()
-    resumed = run_cli(command[3:], workdir)  # exactly the printed overrides
+    assert hint == (f"hookexp: interrupted by signal 15 after step 4; continue with: {sys.executable} -m hookexp "
+                    f"resume=true hydra.run.dir={workdir / 'run'}")
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent), "WANDB_SILENT": "true"}
+    resumed = subprocess.run(shlex.split(hint.split("continue with: ")[1]), cwd=elsewhere, env=env,
+                             capture_output=True, text=True, timeout=300)  # exactly the printed command
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((workdir / "run" / "summary.json").read_text())["trainer/steps"] == 6
 
@@ -195,6 +228,28 @@ def test_without_wandb_the_local_files_are_still_written(args, workdir):
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (workdir / "run" / "wandb").exists()
     assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 2, 2]
+
+
+@pytest.mark.parametrize(("environment", "args", "writes_wandb"), [("disabled", [], False),
+                                                                   ("offline", ["logger.mode=disabled"], True)])
+def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, writes_wandb, workdir):
+    """Issue 27.12: CI switches W&B off with WANDB_MODE=disabled; any valid WANDB_MODE wins, as W&B users expect."""
+    done = run_cli([*args, "trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_MODE": environment})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (workdir / "run" / "wandb").exists() == writes_wandb
+    assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 1, 1]
+    if writes_wandb:
+        assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
+
+
+def test_a_wandb_run_keeps_the_terminal_quiet_and_the_last_line_is_hookexps(workdir):
+    """Issue 27.21: no W&B history and summary at the end of each run (W&B's own quiet setting)."""
+    done = run_cli(["trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_SILENT": "false"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("wandb:")]
+    assert said and not [line for line in said if any(w in line for w in ("Run history", "Run summary", "wandb sync"))]
+    assert done.stdout.strip().splitlines()[-1].split("][")[-1].startswith("INFO] - finished 2 steps in ")
+    assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
 
 
 def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes_on_offline(workdir):
@@ -268,6 +323,35 @@ def test_the_same_spec_name_in_two_selected_hook_files_is_refused_naming_both(wo
     with pytest.raises(ConfigError, match=r"^hooks: hooks/clamp_conv\.yaml is selected twice; select each hook file"):
         compose("hooks=[clamp_conv,clamp_conv]")
     assert compose("hooks=[a]", config_dir=conf).hooks.clip.kind == "output_grad"
+
+
+def config_dir_flags(how: str, conf: Path) -> list[str]:
+    return ["--config-dir", str(conf)] if how == "config-dir" else [f"hydra.searchpath=[file://{conf}]"]
+
+
+@pytest.mark.parametrize("how", ["config-dir", "searchpath"])
+def test_a_users_config_directory_is_found_by_config_dir_and_by_hydra_searchpath(how, workdir):
+    """Issue 27.10: both ways Hydra documents find the user's hooks/ and model/ files."""
+    conf = hook_files(workdir)
+    (conf / "model").mkdir()
+    (conf / "model" / "tiny.yaml").write_text("_target_: hookexp.models.MLP\ninput_dim: auto\noutput_dim: auto\n"
+                                              "depth: 2\nwidth: 8\n")
+    done = run_cli([*config_dir_flags(how, conf), "model=tiny", "hooks=b", "+dry_run=true", "logger=none",
+                    "hydra.run.dir=run"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads((workdir / "run" / "dry_run.json").read_text())["hooks"]
+    assert row["spec"] == "clip" and row["kind"] == "forward" and row["targets"] == ["fc1"]
+
+
+@pytest.mark.parametrize("how", ["config-dir", "searchpath"])
+def test_two_hook_files_of_a_users_config_directory_defining_one_spec_are_hookexps_error(how, workdir):
+    """Issue 27.11: the same refusal whichever way the directory was given."""
+    done = run_cli([*config_dir_flags(how, hook_files(workdir)), "hooks=[a,b]", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 2 and not (workdir / "run").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hookexp: error: hooks.clip: spec 'clip' is defined by two hook files, hooks/a.yaml and hooks/b.yaml; Hydra "
+        "would merge them and the second would silently replace the first. Rename the spec in one of them (a spec "
+        "name is unique in a run).")
 
 
 def test_a_batch_the_model_cannot_take_names_the_data_and_the_fix(workdir):

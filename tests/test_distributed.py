@@ -53,6 +53,20 @@ def test_two_ranks_stay_in_sync_only_rank_0_writes_and_a_resume_keeps_every_rank
     assert rows(workdir / "fork" / "metrics.jsonl") == rows(run / "metrics.jsonl")
 
 
+def test_an_interrupted_torchrun_prints_its_command_once_and_other_ranks_leave_no_directory(workdir):
+    """Issues 27.2 and 27.17: rank 0 alone prints the resume command, torchrun's with its rank counts; each rank's
+    Hydra names a directory of its own here (runs/<rank>, as timestamps a second apart do) and only the run's is
+    left."""
+    stop = "+hooks.stop={target:fc2,kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"
+    done = torchrun([stop, "trainer.max_steps=6", "logger=none", "hydra.run.dir=runs/${oc.env:RANK}"], workdir)
+    assert done.returncode != 0
+    hints = [line.split("; continue with: ")[1] for line in done.stderr.splitlines() if "continue with:" in line]
+    assert hints == [f"{Path(sys.executable).with_name('torchrun')} --nnodes=1 --nproc_per_node=2 -m hookexp "
+                     f"resume=true hydra.run.dir={workdir / 'runs' / '0'}"], done.stderr[-3000:]
+    assert [p.name for p in (workdir / "runs").iterdir()] == ["0"]
+    assert json.loads((workdir / "runs" / "0" / "summary.json").read_text())["status"] == "interrupted"
+
+
 def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(workdir):
     done = torchrun([*SPECS, "trainer.max_steps=1", "logger=none", "hydra.run.dir=run"], workdir)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -308,6 +308,10 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_ste
                     overrides: list[str] | None = None) -> Any:
     node = cfg.get("scheduler")
     if node is None or node.get("_target_") is None:
+        if keys := [str(k) for k in node or {} if k != "_target_"]:
+            raise ConfigError(f"a constant learning rate (scheduler=none) takes no keys, got {', '.join(keys)}. "
+                              "Pick a schedule first (scheduler=constant, cosine or step), or drop the key.",
+                              key=f"scheduler.{keys[0]}")
         return None
     node = drop_inherited(node, "scheduler", overrides)
     fn = _unpartial(_target(node, "scheduler"))

@@ -36,7 +36,7 @@ from hookexp.run.loaders import to_device
 from hookexp.run.manifest import build_manifest
 from hookexp.run.records import Records
 from hookexp.run.telemetry import Telemetry
-from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, write_json_atomic
+from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, wandb_mode, write_json_atomic
 
 log = logging.getLogger("hookexp.train")
 @contextlib.contextmanager
@@ -306,7 +306,7 @@ def make_sinks(cfg: DictConfig, run_dir: Path, hooks: HookHandle, local: LocalFi
         manifest["resumed_from_step"] = int(resumed["loop"]["step"])
     write_json_atomic(run_dir / "manifest.json", manifest)
     wandb_sink = None
-    if cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
+    if cfg.logger.backend == "wandb" and wandb_mode(cfg.logger) != "disabled":
         tags = list(cfg.logger.tags) + [row["spec"] for row in hooks.table() if row["enabled"]]
         wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, hooks.table(),
                                run_id=resumed.get("wandb_id") if resumed is not None else None)
