@@ -212,10 +212,27 @@ def run(cfg: DictConfig) -> Any:
     return None
 
 
+SOURCE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+def config_sources(args: list[str]) -> list[str]:
+    """The arguments that say where the run's configs came from (``--config-dir DIR`` and the other config
+    flags, ``hydra.searchpath=...``): a resume re-composes the run's own overrides, which may name the user's
+    config files."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in SOURCE_FLAGS:
+            out += [arg] if "=" in arg or i + 1 == len(args) else [arg, args[i + 1]]
+        elif arg.startswith("hydra.searchpath="):
+            out.append(arg)
+    return out
+
+
 def resume_command(run_dir: Path) -> str:
     """The command that continues ``run_dir``, runnable where the user stands: the interpreter that is running (or
     the ``hookexp`` script that was run), under torchrun the torchrun command with its node and process counts."""
-    tail = ["resume=true", f"hydra.run.dir={run_dir}"]
+    tail = [*config_sources(sys.argv[1:]), "resume=true", f"hydra.run.dir={run_dir}"]
     if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
         per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         torchrun = Path(sys.executable).with_name("torchrun")

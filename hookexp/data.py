@@ -154,8 +154,9 @@ def _pair(train: Any, val: Any, key: str) -> Splits:
 
 def labels_of(ds: Any) -> torch.Tensor | None:
     """Every label of a map-style set: a TensorSet's ``y``, a TensorDataset's last tensor, else each example's
-    last element (a tuple) or ``labels`` / ``label`` (a mapping). None when it cannot be known: an iterable
-    set (it can be read once, as it streams), or examples without labels."""
+    last element (a tuple) or ``labels`` / ``label`` (a mapping), read example by example (one pass over the
+    set, transforms included). None when it cannot be known: an iterable set (it can be read once, as it
+    streams), examples without labels, or labels of different shapes."""
     if _is_iterable_only(ds):
         return None
     if isinstance(ds, TensorSet):
@@ -175,6 +176,8 @@ def labels_of(ds: Any) -> torch.Tensor | None:
         if label is None:
             return None
         labels.append(torch.as_tensor(label))
+        if labels[-1].shape != labels[0].shape:  # not one class per example (e.g. token labels): not known here
+            return None
     return torch.stack(labels) if labels else None
 
 

@@ -63,8 +63,10 @@ def _mup() -> Any:
     try:
         import mup
     except ImportError as e:
-        raise ConfigError(f"parametrization=mup needs the mup package, which is not installed ({e}). Install the "
-                          "extra: pip install 'hookexp[mup]'.", key="model.parametrization") from None
+        raise ConfigError(f"parametrization=mup needs the mup package, which is not installed ({e}). Install it "
+                          "without its own requirements: pip install --no-deps 'mup>=1.0' (they pull PyPI's "
+                          "torchvision, which replaces a CPU torch; ./scripts/test.sh installs it so).",
+                          key="model.parametrization") from None
     return mup
 
 

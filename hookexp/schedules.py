@@ -50,10 +50,12 @@ def constant(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: i
 
 
 def cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
-           min_lr_ratio: float = 0.0) -> LRScheduler:
-    """Linear warmup over ``warmup_steps``, then a cosine decay to ``min_lr_ratio`` x lr at ``total_steps``."""
+           min_lr_ratio: float = 0.0, warmup_from_zero: bool = False) -> LRScheduler:
+    """Linear warmup over ``warmup_steps`` (``warmup_from_zero``: as :func:`constant`'s), then a cosine decay to
+    ``min_lr_ratio`` x lr at ``total_steps``."""
     _check(warmup_steps, min_lr_ratio)
-    return LambdaLR(optimizer, _Warmup(warmup_steps, total_steps, min_lr_ratio, cosine=True))
+    return LambdaLR(optimizer, _Warmup(warmup_steps, total_steps, min_lr_ratio, cosine=True,
+                                       from_zero=bool(warmup_from_zero)))
 
 
 def step(optimizer: torch.optim.Optimizer, total_steps: int, step_size: int, gamma: float = 0.1) -> LRScheduler:

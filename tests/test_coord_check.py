@@ -107,7 +107,7 @@ def test_mup_without_the_package_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "mup", None)  # import mup raises ImportError
     with pytest.raises(ConfigError, match=r"model.parametrization: parametrization=mup needs the mup package.*"
-                                          r"pip install 'hookexp\[mup\]'"):
+                                          r"pip install --no-deps 'mup>=1\.0'"):
         MLP(input_dim=8, output_dim=3, width=16, parametrization="mup", base_width=16)
 
 

@@ -172,3 +172,26 @@ def test_study_configs_train_a_few_steps(overrides, tmp_path: Path):
         block = [v for k, v in logged.items() if k.startswith("param/blocks.0.") and k.endswith("/norm")]
         assert len(block) >= 8  # the group's norm is the norm of all its weights together
         assert logged["param/group/blocks.0/norm"] == pytest.approx(math.sqrt(sum(v * v for v in block)), rel=1e-5)
+
+
+def test_stop_when_on_a_metric_the_task_does_not_log_is_refused_before_training(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"^trainer\.stop_when: 'val/accuracy' is not a metric of this task\. "
+                                          r"Did you mean 'val/acc'.*val/loss, val/acc, train/loss, train/acc\.$"):
+        train(config("trainer.stop_when='val/accuracy=0.9'"), tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_run_of_an_older_version_resumes_though_the_schema_gained_keys():
+    """Keys added to a group since a run started are composed at their defaults on resume: not a change."""
+    from hookexp.run.checkpoint import config_changes
+
+    saved = {"trainer": {"epochs": 10}, "model": {"_target_": "hookexp.models.GPT", "n_layer": 2},
+             "hooks": {"a": {"target": "fc", "kind": "grad"}}}
+    current = {"trainer": {"epochs": 10, "eval_every_epochs": 1, "stop_when": None},
+               "model": {"_target_": "hookexp.models.GPT", "n_layer": 2, "init": "gpt2"},
+               "hooks": {"a": {"target": "fc", "kind": "grad", "optional": False}, "b": {"target": "fc"}}}
+    assert config_changes(saved, current) == ["hooks.b: '<unset>' -> {'target': 'fc'}"]  # a new spec still counts
+    assert config_changes(current, saved) == ["hooks.a.optional: False -> '<unset>'",
+                                              "hooks.b: {'target': 'fc'} -> '<unset>'",
+                                              "model.init: 'gpt2' -> '<unset>'",
+                                              "trainer.eval_every_epochs: 1 -> '<unset>'"]  # stop_when may change
