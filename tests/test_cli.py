@@ -248,7 +248,7 @@ def test_a_wandb_run_keeps_the_terminal_quiet_and_the_last_line_is_hookexps(work
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("wandb:")]
     assert said and not [line for line in said if any(w in line for w in ("Run history", "Run summary", "wandb sync"))]
-    assert done.stdout.strip().splitlines()[-1].split("][")[-1].startswith("INFO] - finished 2 steps in ")
+    assert done.stdout.strip().splitlines()[-1].split("][")[-1].startswith("INFO] - finished 2 steps (trainer.max_steps=2 reached) in ")
     assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
 
 

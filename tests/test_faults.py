@@ -130,7 +130,7 @@ def test_sigterm_just_after_the_run_finished_exits_0(tmp_path):
     """Issue 27.18: the signal comes as the run logs "finished"; the run is finished and exits 0."""
     done = fault(tmp_path, "term_after_finish", "trainer.max_steps=3", "logger=none", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "finished 3 steps in " in done.stdout
+    assert "finished 3 steps (trainer.max_steps=3 reached) in " in done.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
 
 
