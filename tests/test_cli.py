@@ -248,7 +248,8 @@ def test_a_wandb_run_keeps_the_terminal_quiet_and_the_last_line_is_hookexps(work
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("wandb:")]
     assert said and not [line for line in said if any(w in line for w in ("Run history", "Run summary", "wandb sync"))]
-    assert done.stdout.strip().splitlines()[-1].split("][")[-1].startswith("INFO] - finished 2 steps (trainer.max_steps=2 reached) in ")
+    last = done.stdout.strip().splitlines()[-1].split("][")[-1]
+    assert last.startswith("INFO] - finished 2 steps (trainer.max_steps=2 reached) in ")
     assert wandb_summary(workdir / "run")["summary"]["trainer/steps"] == 2
 
 
@@ -385,3 +386,13 @@ def test_a_type_error_inside_the_model_is_not_blamed_on_the_batch(workdir):
     assert done.returncode != 0
     assert "Linear.forward() takes 2 positional arguments but 3 were given" in done.stderr
     assert "the model cannot take a training batch" not in done.stderr
+
+
+def test_the_resume_command_keeps_where_the_configs_came_from():
+    """A run composed from the user's config directory is resumed from it: the printed command keeps
+    --config-dir (and the other config flags) and hydra.searchpath, and nothing else of the command line."""
+    from hookexp.cli import config_sources
+
+    args = ["--config-dir", "mine", "model=nanogpt", "hydra.searchpath=[file://extra]", "-cn=other", "seed=3",
+            "hydra.run.dir=run"]
+    assert config_sources(args) == ["--config-dir", "mine", "hydra.searchpath=[file://extra]", "-cn=other"]
