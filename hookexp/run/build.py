@@ -205,37 +205,49 @@ def _unpartial(fn: Any) -> Any:
     return fn
 
 
-def wants_auto(node: DictConfig, name: str) -> bool:
-    """Whether ``node`` (or a mapping in it) sets ``name: auto``."""
-    def find(values: Any) -> bool:
-        return isinstance(values, dict) and any(
-            (k == name and v == "auto") or find(v) for k, v in values.items())
-
-    return find(OmegaConf.to_container(node, resolve=True))
-
-
-def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str, why: Mapping[str, str] | None = None
-              ) -> DictConfig:
+def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str,
+              derive: Mapping[str, Callable[[], tuple[Any, str]]] | None = None) -> DictConfig:
     """A copy of ``node`` with every ``auto`` value (also in nested mappings, e.g. ``model.config.vocab_size``)
-    taken from the data's ``info``; ``why`` says why a name the data does not give cannot be known."""
+    taken from the data's ``info``. ``derive``: for a name the data does not give, a function returning
+    ``(value, "")`` or ``(None, why it cannot be known)``, called once and only when a value asks for it."""
+    known = dict(info)
+    why: dict[str, str] = {}
+
+    def lookup(name: str, where: str) -> Any:
+        if name not in known and name not in why and derive and name in derive:
+            value, why[name] = derive[name]()
+            if value is not None:
+                known[name] = value
+        if name not in known:
+            given = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict))) or "nothing"
+            reason = f" {why[name]}" if why.get(name) else ""
+            raise ConfigError(f"is 'auto', but the data does not say it (the data gives: {given}).{reason} "
+                              f"Set it: {where}.{name}=<value>.", key=f"{where}.{name}")
+        return known[name]
 
     def fill(values: dict[str, Any], where: str) -> None:
         for name, value in values.items():
             if isinstance(value, dict):
                 fill(value, f"{where}.{name}")
             elif value == "auto":
-                if name not in info:
-                    known = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict))) \
-                        or "nothing"
-                    reason = f" {why[name]}" if why and name in why else ""
-                    raise ConfigError(f"is 'auto', but the data does not say it (the data gives: {known}).{reason} "
-                                      f"Set it: {where}.{name}=<value>.", key=f"{where}.{name}")
-                values[name] = info[name]
+                values[name] = lookup(name, where)
 
     values = OmegaConf.to_container(node, resolve=True)
     assert isinstance(values, dict)
     fill(values, key)
     return OmegaConf.create(values)
+
+
+def classes_from_labels(loaders: Loaders) -> tuple[int | None, str]:
+    """``num_classes`` of a classification run whose data does not say it: read from map-style sets' labels."""
+    from hookexp.data import classes_in
+
+    classes = classes_in(loaders.train, loaders.val)
+    if classes is None:
+        return None, ("Its labels cannot be read: the data set is iterable (it streams) or its examples carry no "
+                      "integer class labels.")
+    log.info("model.num_classes=auto: %d, the largest label of the training and validation sets + 1", classes)
+    return classes, ""
 
 
 def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) -> DictConfig:
@@ -328,19 +340,8 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     set_threads(cfg.trainer.num_threads)
     task = build_task(cfg, overrides)
     loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
-    model_node = drop_inherited(cfg.model, "model", overrides)
-    why: dict[str, str] = {}
-    if "num_classes" not in loaders.info and isinstance(task, Classification) and wants_auto(model_node, "num_classes"):
-        from hookexp.data import classes_in
-
-        classes = classes_in(loaders.train, loaders.val)  # a user's own map-style sets: read it from the labels
-        if classes is not None:
-            loaders.info["num_classes"] = classes
-            log.info("model.num_classes=auto: %d, the largest label of the training and validation sets + 1", classes)
-        else:
-            why["num_classes"] = ("Its labels cannot be read: the data set is iterable (it streams) or its examples "
-                                  "carry no integer class labels.")
-    model_cfg = fill_auto(model_node, loaders.info, "model", why)
+    derive = {"num_classes": lambda: classes_from_labels(loaders)} if isinstance(task, Classification) else None
+    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model", derive)
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{model_cfg._target_} built a {type(model).__name__}, not a torch.nn.Module.", key="model")
