@@ -27,6 +27,7 @@ from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from hookexp.errors import ConfigError, did_you_mean
+from hookexp.goals import Reach
 from hookexp.run.distributed import Dist, shard
 from hookexp.run.loaders import Loaders, make_loaders
 from hookexp.tasks import Classification, Task
@@ -293,6 +294,7 @@ class Parts:
     total_steps: int
     accumulate: int
     limit: str = ""  # what sets total_steps, e.g. "trainer.max_steps=4000" (the final log line says it)
+    goal: Reach | None = None  # trainer.stop_when
 
 
 def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
@@ -301,6 +303,21 @@ def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
         raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.tasks.Task. Subclass "
                           "hookexp.tasks.Task (override loss, and sums/metric_names for more metrics).", key="task")
     return task
+
+
+def stop_goal(cfg: DictConfig, task: Task) -> Reach | None:
+    """``trainer.stop_when`` as a target on a ``train/`` or ``val/`` metric of the task: values every rank has
+    the same of (summed over the ranks), so that every rank stops at the same step."""
+    if not cfg.trainer.stop_when:
+        return None
+    goal = Reach.parse(cfg.trainer.stop_when, "trainer.stop_when")
+    logged = [f"{split}/{name}" for split in ("val", "train")
+              for name in task.finish(dict.fromkeys(task.metric_names, 1.0))]
+    if goal.metric not in logged:
+        raise ConfigError(f"{goal.metric!r} is not a metric of this task.{did_you_mean(goal.metric, logged)} A run "
+                          f"can stop on what the task logs for every rank alike: {', '.join(logged)}.",
+                          key="trainer.stop_when")
+    return goal
 
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, overrides: list[str] | None = None
@@ -339,6 +356,7 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     seed_everything(cfg.seed, cfg.repro.deterministic)
     set_threads(cfg.trainer.num_threads)
     task = build_task(cfg, overrides)
+    goal = stop_goal(cfg, task)
     loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
     derive = {"num_classes": lambda: classes_from_labels(loaders)} if isinstance(task, Classification) else None
     model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model", derive)
@@ -356,7 +374,7 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     total_steps, limit = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
     scheduler = build_scheduler(cfg, optimizer, total_steps, overrides)
     return Parts(model, optimizer, scheduler, task, loaders, OmegaConf.to_container(model_cfg),  # type: ignore[arg-type]
-                 device, ranks, total_steps, accumulate, limit)
+                 device, ranks, total_steps, accumulate, limit, goal)
 
 
 class MixedPrecision:

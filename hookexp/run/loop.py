@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from hookexp.engine import HookHandle, attach, validate
 from hookexp.engine.validate import hooks_summary
-from hookexp.errors import ConfigError, HookCheckError, did_you_mean
-from hookexp.goals import Reach, lower_is_better
+from hookexp.errors import ConfigError, HookCheckError
+from hookexp.goals import lower_is_better
 from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
 from hookexp.run.build import MixedPrecision, Parts, build, pick_device
@@ -39,6 +39,8 @@ from hookexp.run.telemetry import Telemetry
 from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, wandb_mode, write_json_atomic
 
 log = logging.getLogger("hookexp.train")
+
+
 @contextlib.contextmanager
 def explaining(hooks: HookHandle) -> Any:
     """torch's errors around the hooks (an in-place op next to a full backward hook, a transform that cut the
@@ -80,7 +82,6 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
         # their names); the weights of a resumed run are loaded before them (see Checkpointer.restore_weights) ----
         parts = build(cfg, ranks, device, overrides)
         model, optimizer, task = parts.model, parts.optimizer, parts.task
-        stop_goal(cfg, task)  # a target naming no metric of the task fails here, before any file is written
         preflight(parts)
         ckpt.track(model=model, optimizer=optimizer)
         if resumed is not None:
@@ -115,21 +116,6 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
             summary = shut_down(cfg, run_dir, status, loop, parts, hooks, telemetry, records, local, sinks, ckpt,
                                 started)
     return summary
-
-
-def stop_goal(cfg: DictConfig, task: Any) -> Reach | None:
-    """``trainer.stop_when`` as a target on a ``train/`` or ``val/`` metric of the task: values every rank has
-    the same of (summed over the ranks), so that every rank stops at the same step."""
-    if not cfg.trainer.stop_when:
-        return None
-    goal = Reach.parse(cfg.trainer.stop_when, "trainer.stop_when")
-    logged = [f"{split}/{name}" for split in ("val", "train") for name in task.finish(dict.fromkeys(task.metric_names,
-                                                                                                      1.0))]
-    if goal.metric not in logged:
-        raise ConfigError(f"{goal.metric!r} is not a metric of this task.{did_you_mean(goal.metric, logged)} A run "
-                          f"can stop on what the task logs for every rank alike: {', '.join(logged)}.",
-                          key="trainer.stop_when")
-    return goal
 
 
 @torch.no_grad()
@@ -169,7 +155,7 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
     per_epoch = parts.loaders.batches_per_epoch()
     accumulate, eval_every = parts.accumulate, cfg.trainer.eval_every
     eval_epochs = cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full-batch runs: one step an epoch)
-    goal = stop_goal(cfg, task)
+    goal = parts.goal
     reached = None  # the step at which a logged value met trainer.stop_when
     checkpoint_every = cfg.trainer.checkpoint_every
     bar = tqdm(total=total, initial=loop.step, disable=not cfg.trainer.progress, desc="train", unit="step",
