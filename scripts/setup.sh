@@ -11,7 +11,6 @@
 #     for torchvision and seaborn, which it needs only for its own examples, and PyPI's torchvision would
 #     replace a CPU torch by a CUDA build.
 #   - PYTHON picks the interpreter (default: python3, 3.10 or newer).
-#   - HOOKEXP_SETUP_DRY=1 prints the pip command it would run instead of running it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -28,11 +27,6 @@ if [ "$hash" = "$want" ] && [ "$need" = "$have" ]; then
 fi
 extras="$(printf '%s' "$need" | tr ',' '\n' | sed '/^mup$/d' | paste -sd, -)"  # mup: below, without its deps
 spec="$root${extras:+[$extras]}"
-if [ "${HOOKEXP_SETUP_DRY:-}" = 1 ]; then
-    echo "pip install -e $spec"
-    case ",$need," in *,mup,*) echo "pip install --no-deps mup>=1.0" ;; esac
-    exit 0
-fi
 echo "hookexp: setting up $venv${need:+ with the extras $need} ..." >&2
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then

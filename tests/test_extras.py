@@ -89,12 +89,17 @@ def test_the_main_job_needs_no_extra(tmp_path):
 
 
 def test_the_run_command_installs_no_extra_and_the_test_command_every_one_once(tmp_path):
-    """scripts/setup.sh's stamp records the pyproject.toml hash and the extras installed with it (dry runs: the pip
-    command it would run, or nothing)."""
+    """scripts/setup.sh as the two quick-start commands call it, with a stand-in .venv/bin/python that records
+    the pip commands it is given (and has torch): what each installs, and the stamp it writes, which makes the
+    run command after the test command install nothing."""
     for name in ("scripts/setup.sh", "pyproject.toml"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
-    (tmp_path / ".venv").mkdir()
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    calls = tmp_path / "pip.log"
+    python.write_text(f'#!/bin/sh\n[ "$1" = -m ] && echo "$*" >> {calls}\nexit 0\n')
+    python.chmod(0o755)
     stamp = tmp_path / ".venv" / ".hookexp-setup"
     extras = {"run": None, "test": None}
     for script in extras:
@@ -102,20 +107,22 @@ def test_the_run_command_installs_no_extra_and_the_test_command_every_one_once(t
         extras[script] = line.split("#")[0].split("setup.sh\"")[1].strip()
     assert extras == {"run": "", "test": "dev,sweeps,hf,lightning,mup"}
 
-    def setup(script: str) -> str:
-        done = subprocess.run(["bash", str(tmp_path / "scripts/setup.sh"), *[extras[script]] * bool(extras[script])],
-                              env={**os.environ, "HOOKEXP_SETUP_DRY": "1"}, capture_output=True, text=True, check=True)
-        return done.stdout.strip()
+    def setup(script: str) -> list[str]:
+        calls.unlink(missing_ok=True)
+        subprocess.run(["bash", str(tmp_path / "scripts/setup.sh"), *[extras[script]] * bool(extras[script])],
+                       capture_output=True, text=True, check=True)
+        return calls.read_text().splitlines() if calls.exists() else []
 
     want = subprocess.run(["sha256sum", str(tmp_path / "pyproject.toml")], capture_output=True, text=True,
                           check=True).stdout[:16]
-    assert setup("run") == f"pip install -e {tmp_path}"  # a fresh clone: the main job's packages only
-    stamp.write_text(f"{want} \n")  # ... installed
-    assert setup("run") == ""
-    mup = "pip install --no-deps mup>=1.0"  # without its own requirements (PyPI's torchvision)
-    assert setup("test") == f"pip install -e {tmp_path}[dev,hf,lightning,sweeps]\n{mup}"
-    stamp.write_text(f"{want} dev,hf,lightning,mup,sweeps\n")
-    assert setup("test") == "" and setup("run") == ""  # the run command after the test command: nothing
+    base = f"-m pip install --quiet -e {tmp_path}"
+    mup = "-m pip install --quiet --no-deps mup>=1.0"  # without its own requirements (PyPI's torchvision)
+    assert setup("run") == [base]  # a fresh clone: the main job's packages only
+    assert stamp.read_text() == f"{want} \n"
+    assert setup("run") == []
+    assert setup("test") == [f"{base}[dev,hf,lightning,sweeps]", mup]
+    assert stamp.read_text() == f"{want} dev,hf,lightning,mup,sweeps\n"
+    assert setup("test") == [] and setup("run") == []  # the run command after the test command: nothing
     stamp.write_text(f"{'0' * 16} dev,hf,lightning,mup,sweeps\n")  # pyproject.toml changed since
-    assert setup("run") == f"pip install -e {tmp_path}"
-    assert setup("test") == f"pip install -e {tmp_path}[dev,hf,lightning,sweeps]\n{mup}"
+    assert setup("run") == [base]
+    assert setup("test") == [f"{base}[dev,hf,lightning,sweeps]", mup]
