@@ -91,6 +91,26 @@ def test_abs_mean_and_kurtosis_of_known_distributions():
     assert math.isnan(got["constant/kurtosis"]) and got["constant/abs_mean"] == 4.0
 
 
+def test_only_the_tensors_named_higher_pay_for_kurtosis_and_the_rest_is_unchanged():
+    """``higher`` (the activations, in the probes): their kurtosis as with every tensor described; the others get
+    NaN for it, and every other statistic of every tensor is what describing them all gives."""
+    from hookexp.telemetry.stats import STATS, TensorStats
+
+    torch.manual_seed(1)
+    tensors = {"grad/w": torch.randn(3000), "act/a": torch.rand(1000) ** 3, "grad/b": torch.randn(7) + 2}
+    describer = TensorStats(STATS)
+    every = read([describer.describe(tensors)])
+    some = read([describer.describe(tensors, higher=["act/a"])])
+    assert some["act/a/kurtosis"] == every["act/a/kurtosis"]
+    x = tensors["act/a"].double()
+    d = x - x.mean()
+    assert some["act/a/kurtosis"] == pytest.approx(((d ** 4).mean() / (d ** 2).mean() ** 2).item(), rel=1e-9)
+    assert math.isnan(some["grad/w/kurtosis"]) and math.isnan(some["grad/b/kurtosis"])
+    for key, value in every.items():
+        if not key.endswith("/kurtosis"):
+            assert some[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
 def test_the_spread_stays_exact_when_the_mean_dominates():
     """Sums of squares would lose the spread entirely here; the deviations from the mean keep it."""
     torch.manual_seed(0)

@@ -150,7 +150,8 @@ class Probes:
         acts, self._acts_kept = self._acts_kept, {}
         tensors = {**acts, **grads}
         if tensors:
-            values, decode = self.describer.describe(tensors, sharded=list(acts) if self._acts_sharded else ())
+            values, decode = self.describer.describe(tensors, sharded=list(acts) if self._acts_sharded else (),
+                                                     higher=acts)  # gradients log no kurtosis
             self._described = (values, decode)
 
     @torch.no_grad()

@@ -24,10 +24,10 @@ has no histogram (its min/max say why); empty tensors have no keys; bf16/fp16 ar
 How: the tensors are joined into one float64 buffer of rows (float32 on MPS, which has no float64): one
 ``torch.cat``, each tensor filling whole rows, the tail of its last row padded. A dozen row-wise
 reductions and elementwise passes, then ``index_add_``/``scatter_reduce_`` over the rows, give each tensor
-its count, sum, sum of |x|, the 2nd, 3rd and 4th powers of its deviations from its mean (two passes: exact
-however large the mean is against the spread), zeros, negatives, min and max; the histograms bin every
-element (or the sampled ones) in one pass and count them with one ``index_add_``. About 35 kernels, 55
-with histograms, whatever the number
+its count, sum, sum of |x|, the 2nd power of its deviations from its mean (two passes: exact however large
+the mean is against the spread) and, for the tensors ``higher`` names (the activations), the 3rd and 4th
+(kurtosis), zeros, negatives, min and max; the histograms bin every element (or the sampled ones) in one
+pass and count them with one ``index_add_``. About 35 kernels, 55 with histograms, whatever the number
 of tensors, and nothing read back: that is :func:`read`'s one copy. While it runs, a log step holds two
 float64 copies of the described elements (and, for exact histograms, their float32 values and int64 bins);
 nothing is kept between log steps but each layout's index tensors.
@@ -88,19 +88,26 @@ class TensorStats:
         self._layouts: OrderedDict[Any, _Layout] = OrderedDict()
 
     @torch.no_grad()
-    def describe(self, tensors: Mapping[str, torch.Tensor], sharded: Collection[str] = ()) -> Pending:
+    def describe(self, tensors: Mapping[str, torch.Tensor], sharded: Collection[str] = (),
+                 higher: Collection[str] | None = None) -> Pending:
         """``(values, decode)`` for ``tensors`` (key -> tensor; metric keys are ``<key>/<stat>`` and
-        ``<key>/hist``); ``sharded``: the keys of plain tensors that are this rank's part of a tensor."""
+        ``<key>/hist``); ``sharded``: the keys of plain tensors that are this rank's part of a tensor;
+        ``higher``: the keys whose ``kurtosis`` is wanted (None: all), the only ones that pay for the 3rd and
+        4th powers of their elements."""
         if not tensors:
             return None, _nothing
-        keys = list(tensors)
+        wanted = "kurtosis" in self.stats
+        higher = [k for k in tensors if wanted and (higher is None or k in higher)]
+        keys = higher + [k for k in tensors if k not in set(higher)]  # those first: their rows are one block
+        tensors = {k: tensors[k] for k in keys}
         ranks = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if ranks > 1 else 0
         parts = [_placed(k, t, k in sharded, rank) for k, t in tensors.items()]
         ranks = ranks if any(spread for _, spread, _ in parts) else 1
         local = [t if ranks == 1 or own else t.reshape(-1)[:0] for t, _, own in parts]  # a replica: one rank
-        key = (tuple(keys), tuple(t.numel() for t in local), local[0].device, ranks)
-        layout = self._layouts.pop(key, None) or _Layout(keys, self.stats, local, ranks, self.hist_sample)
+        key = (tuple(keys), len(higher), tuple(t.numel() for t in local), local[0].device, ranks)
+        layout = self._layouts.pop(key, None) or _Layout(keys, self.stats, local, ranks, self.hist_sample,
+                                                         len(higher))
         self._layouts[key] = layout
         if len(self._layouts) > 8:  # e.g. activations of a smaller last batch: a few layouts, the oldest go
             self._layouts.popitem(last=False)
@@ -165,7 +172,7 @@ class _Layout:
     positions."""
 
     def __init__(self, keys: list[str], stats: list[str], local: list[torch.Tensor], ranks: int,
-                 hist_sample: int | None):
+                 hist_sample: int | None, higher: int = 0):
         self.keys = [[f"{k}/{s}" for s in stats] for k in keys]  # the decoder's, made once
         self.hist_keys = [f"{k}/hist" for k in keys]
         sizes = [t.numel() for t in local]
@@ -173,6 +180,7 @@ class _Layout:
         self.width = w = 2 ** min(14, max(4, round(math.log2(max(1.0, sum(sizes) / len(sizes)) ** 0.5))))
         rows = [-(-n // w) for n in sizes]
         self.rows, ends = sum(rows), np.cumsum(rows) * w
+        self.higher, self.higher_rows = higher, sum(rows[:higher])  # the leading tensors (rows) with 3rd/4th powers
         pads = [r * w - n for n, r in zip(sizes, rows, strict=True)]
         zeros = torch.zeros(w, device=device)  # float32: cat then promotes nothing but bf16/fp16 (faster)
         self.pads = [zeros[:p] if p else None for p in pads]
@@ -216,11 +224,14 @@ def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
         x.view(-1).index_put_((layout.pad_at,), shift[layout.pad_row])
     lo, hi = x.amin(1), x.amax(1)
     deviations = x.sub_(shift[:, None]).sum(1)  # what the mean's rounding leaves: taken out of the powers
-    square = x.square()
-    squares = square.sum(1)
-    cubes = x.mul_(square).sum(1)
-    fourths = square.square_().sum(1)
-    del square
+    cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
+    if layout.higher_rows:  # only the tensors whose kurtosis is wanted (activations), not every gradient
+        head = x[:layout.higher_rows]
+        square = head.square()
+        cubes[:layout.higher_rows] = (head * square).sum(1)
+        fourths[:layout.higher_rows] = square.square_().sum(1)
+        del square
+    squares = x.square_().sum(1)
     rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, (nonzero - balance) / 2, absolute,
                         cubes, fourths], 1)
     sums = x.new_zeros(n, rows.shape[1]).index_add_(0, seg, rows)
@@ -287,7 +298,8 @@ def _decode(host: np.ndarray, layout: _Layout, stats: list[str], bins: int) -> d
                "mean": np.where(has_nan, np.nan, total / n),
                "std": np.where(finite & (n > 1), np.sqrt(np.maximum(squares, 0.0) / (n - 1)), np.nan),
                "min": lo, "max": hi, "frac_zero": zeros / n, "frac_neg": negs / n, "abs_mean": absolute / n,
-               "kurtosis": np.where(finite & (squares > 0), n * fourths / (squares * squares), np.nan)}
+               "kurtosis": np.where(finite & (squares > 0) & (np.arange(n_tensors) < layout.higher),
+                                    n * fourths / (squares * squares), np.nan)}
     rows = np.stack([col[s] for s in stats], 1).tolist()
     out: dict[str, Any] = {k: v for i in np.flatnonzero(n).tolist()
                            for k, v in zip(layout.keys[i], rows[i], strict=True)}
