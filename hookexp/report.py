@@ -76,6 +76,7 @@ class Job:
     error: str | None = None
     root: Path | None = None
     width: int | None = None  # --coord: the job's width override
+    ignored: tuple[str, ...] = ()  # override prefixes that do not define its group, besides IGNORED_OVERRIDES
     _metrics: Metrics | None = field(default=None, repr=False)
 
     @property
@@ -107,7 +108,7 @@ class Job:
     @property
     def kept(self) -> list[str]:
         """The overrides that define the job's group: all but the seed and run bookkeeping."""
-        return sorted(o for o in self.overrides if not o.startswith(IGNORED_OVERRIDES))
+        return sorted(o for o in self.overrides if not o.lstrip("+").startswith((*IGNORED_OVERRIDES, *self.ignored)))
 
     def group(self, common: set[str]) -> str:
         """The group's name: the kept overrides that not every job shares, in the order they were given."""
@@ -259,6 +260,16 @@ def _prepare_out(out_dir: Path) -> Path:
     return out_dir
 
 
+def group_jobs(jobs: list[Job], members: list[Job]) -> tuple[list[Group], set[str]]:
+    """``members`` grouped by their kept overrides minus those every one of ``jobs`` shares (the same overrides in
+    another order are the same group), in natural order of their names; and those common overrides."""
+    common = set.intersection(*(set(j.kept) for j in jobs)) if len(jobs) > 1 else set()
+    by_key: dict[frozenset[str], Group] = {}
+    for job in members:
+        by_key.setdefault(frozenset(job.kept) - common, Group(job.group(common))).jobs.append(job)
+    return sorted(by_key.values(), key=lambda g: _natural(g.name)), common
+
+
 def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, ...] = METRICS,
            curves: tuple[str, ...] = CURVES, reach: Sequence[str | Reach] = (),
            logx: bool = False) -> tuple[str, list[Group], list[Job]]:
@@ -271,12 +282,7 @@ def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, .
         raise ConfigError(f"no job directories under {', '.join(map(str, roots))}: a job directory holds "
                           "manifest.json (or failure.json for a job that failed). Pass a multirun directory "
                           "(multirun/DATE/TIME) or the run directories themselves.", key="DIR")
-    common = set.intersection(*(set(j.kept) for j in jobs)) if len(jobs) > 1 else set()
-    by_key: dict[frozenset[str], Group] = {}  # the same overrides in another order are the same group
-    for job in jobs:
-        if job.finished:
-            by_key.setdefault(frozenset(job.kept) - common, Group(job.group(common))).jobs.append(job)
-    groups = sorted(by_key.values(), key=lambda g: _natural(g.name))
+    groups, common = group_jobs(jobs, [j for j in jobs if j.finished])
     left_out = [j for j in jobs if not j.finished]
     finished = [j for g in groups for j in g.jobs]
     logged = {k for j in finished for k in j.metrics.names()}
@@ -393,7 +399,7 @@ def coord_check(roots: list[Path], out_dir: Path | None = None, width_keys: Sequ
     roots = [Path(r) for r in roots]
     jobs = find_jobs(roots)
     for job in jobs:
-        job.width = _width(job, width_keys)
+        job.width, job.ignored = _width(job, width_keys), tuple(f"{k}=" for k in width_keys)
     used = [j for j in jobs if j.finished and j.width is not None]
     if not used:
         raise ConfigError(f"no finished job under {', '.join(map(str, roots))} has a width override "
@@ -403,25 +409,15 @@ def coord_check(roots: list[Path], out_dir: Path | None = None, width_keys: Sequ
     if not any(k.startswith("act/") and k.endswith("/abs_mean") for j in used for k in j.metrics.names()):
         raise ConfigError("no job logged act/<layer>/abs_mean: run the sweep with stats.activations set to the "
                           "layers to check (and stats.every=1), as experiment=coord_check does.", key="DIR")
-    width_of = {f"{k}=" for k in width_keys}
-
-    def kept(job: Job) -> list[str]:
-        return [o for o in job.kept if not o.lstrip("+").startswith(tuple(width_of))]
-
-    common = set.intersection(*(set(kept(j)) for j in used)) if len(used) > 1 else set()
-    by_key: dict[frozenset[str], list[Job]] = {}
-    for job in used:
-        by_key.setdefault(frozenset(kept(job)) - common, []).append(job)
+    by_overrides, common = group_jobs(used, used)  # minus the width and the seed
     groups = []
-    for key, members in by_key.items():
-        name = " ".join(o for o in dict.fromkeys(members[0].overrides) if o in key) or "(common overrides only)"
-        values, step = _coord_values(members)
+    for group in by_overrides:
+        values, step = _coord_values(group.jobs)
         slopes = {}
         for layer, by_step in values.items():
             at = by_step.get(step, {})
             slopes[layer] = log_slope(list(at), list(at.values()))
-        groups.append(Coord(name, members, values, step, slopes))
-    groups.sort(key=lambda g: _natural(g.name))
+        groups.append(Coord(group.name, group.jobs, values, step, slopes))
     over = [(g, layer, v) for g in groups for layer, v in g.slopes.items()
             if max_slope is not None and not v <= max_slope]
     over.sort(key=lambda t: -t[2] if math.isfinite(t[2]) else -math.inf)
