@@ -477,3 +477,9 @@ def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_
     fresh = run_train(cfg(2), run, overwrite=True)
     assert fresh["trainer/steps"] == 2
     assert [r["trainer/step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r][-1] == 1
+    (run / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")  # a corrupt checkpoint names train()'s fixes
+    with pytest.raises(CheckpointError) as e:
+        run_train(cfg(4), run, resume=True)
+    assert str(e.value).startswith(f"train(resume=...): cannot resume from {run / 'checkpoints' / 'last.pt'}: it is "
+                                   "not a readable checkpoint")
+    assert str(e.value).endswith("Or start again with train(cfg, run_dir, overwrite=True).")

@@ -39,12 +39,12 @@ def train(cfg: Any, run_dir: str | Path, *, resume: bool | str | Path | None = N
     from omegaconf import open_dict
 
     from hookexp.run.loop import train as train_job
-    from hookexp.run.rundir import claim
+    from hookexp.run.rundir import PYTHON, claim
 
     run_dir = Path(run_dir)
     if resume is not None:
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.resume = resume if isinstance(resume, bool) else str(resume)
-    claim(run_dir.absolute(), cfg.get("resume"), overwrite or cfg.get("overwrite"), python=True)
-    return train_job(cfg, run_dir, python=True)
+    claim(run_dir.absolute(), cfg.get("resume"), overwrite or cfg.get("overwrite"), PYTHON)
+    return train_job(cfg, run_dir, launch=PYTHON)

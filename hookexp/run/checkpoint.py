@@ -53,7 +53,7 @@ import torch
 
 from hookexp.errors import CheckpointError, ConfigError
 from hookexp.run.distributed import Dist
-from hookexp.run.rundir import RESUMABLE_CHANGES
+from hookexp.run.rundir import CLI, RESUMABLE_CHANGES, Launch
 from hookexp.sinks import files_error
 
 log = logging.getLogger("hookexp.checkpoint")
@@ -165,17 +165,18 @@ def atomic_save(obj: Any, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _unusable(path: Path, why: str, previous: Path) -> CheckpointError:
-    fallback = (f" The checkpoint before it is {previous}: resume=true hydra.run.dir=... with "
-                f"resume={previous} continues from there." if previous.exists() and previous != path else "")
-    return CheckpointError(f"cannot resume from {path}: {why}.{fallback} Or start again with +overwrite=true.",
-                           key="resume")
+def _unusable(path: Path, why: str, previous: Path, launch: Launch = CLI) -> CheckpointError:
+    fallback = (f" The checkpoint before it is {previous}: {launch.resume_from.format(path=previous)} continues "
+                "from there." if previous.exists() and previous != path else "")
+    return CheckpointError(f"cannot resume from {path}: {why}.{fallback} Or start again with {launch.overwrite}.",
+                           key=launch.resume_key)
 
 
-def read_checked(path: Path, required: tuple[str, ...] = REQUIRED, previous: Path | None = None) -> dict[str, Any]:
+def read_checked(path: Path, required: tuple[str, ...] = REQUIRED, previous: Path | None = None,
+                 launch: Launch = CLI) -> dict[str, Any]:
     """A checkpoint's contents after checking its CRCs, format and entries; CheckpointError naming the file."""
     def bad(why: str) -> CheckpointError:
-        return _unusable(path, why, previous or path.with_name("previous.pt"))
+        return _unusable(path, why, previous or path.with_name("previous.pt"), launch)
 
     try:
         with zipfile.ZipFile(path) as zf:
@@ -266,8 +267,8 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any], resume: Any = None, *, main: bool = True,
-                 ranks: Dist | None = None, python: bool = False):
-        self.python = python  # started by hookexp.run.train: its errors name its arguments, not the CLI's flags
+                 ranks: Dist | None = None, launch: Launch = CLI):
+        self.launch = launch  # how the run was started: its errors name their fixes so
         self.ranks = ranks or Dist()
         self.sharded = self.ranks.sharded
         self.run_dir = run_dir
@@ -309,15 +310,11 @@ class Checkpointer:
                 log.warning("no %s: resuming from %s (a save was cut short)", self.source, previous)
                 self.source = previous
             else:
-                if self.python:
-                    raise CheckpointError(f"there is no checkpoint at {self.source}{self._other_layout()}. "
-                                          "train(cfg, run_dir, resume=True) continues the run in run_dir (pass the "
-                                          "interrupted run's directory); resume=PATH names a checkpoint or run "
-                                          "directory.", key="train(resume=...)")
-                raise CheckpointError(f"there is no checkpoint at {self.source}{self._other_layout()}. resume=true "
-                                      "continues the run in hydra.run.dir (give hydra.run.dir=<the interrupted run's "
-                                      "directory>); resume=PATH names a checkpoint or run directory.", key="resume")
-        data = self._read_sharded() if self.sharded else read_checked(self.source)
+                how = self.launch
+                raise CheckpointError(f"there is no checkpoint at {self.source}{self._other_layout()}. "
+                                      f"{how.resume_here} continues the run in {how.dir_name} ({how.give_dir}); "
+                                      "resume=PATH names a checkpoint or run directory.", key=how.resume_key)
+        data = self._read_sharded() if self.sharded else read_checked(self.source, launch=self.launch)
         changes = config_changes(data["config"], self.config)
         if changes:
             raise CheckpointError(f"the checkpoint {self.source} was written with another config; resuming would mix "
@@ -370,8 +367,8 @@ class Checkpointer:
             problem = f"its checksums.json cannot be read ({type(e).__name__}: {e})"
         found = next((p for p in ranks.gather(problem) if p), None)
         if found:
-            raise _unusable(path, found, previous)
-        return read_checked(path / f"rank{ranks.rank}.pt", SHARDED_REQUIRED, previous)
+            raise _unusable(path, found, previous, self.launch)
+        return read_checked(path / f"rank{ranks.rank}.pt", SHARDED_REQUIRED, previous, self.launch)
 
     def track(self, **objects: Stateful | None) -> None:
         self.objects.update(objects)

@@ -35,6 +35,7 @@ from hookexp.run.checkpoint import Checkpointer, LoopState, require_writable
 from hookexp.run.loaders import to_device
 from hookexp.run.manifest import build_manifest
 from hookexp.run.records import Records
+from hookexp.run.rundir import CLI, Launch
 from hookexp.run.telemetry import Telemetry
 from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, wandb_mode, write_json_atomic
 
@@ -58,10 +59,10 @@ def hook_specs(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg.hooks, resolve=True)  # type: ignore[return-value]
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, python: bool = False
+def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, launch: Launch = CLI
           ) -> dict[str, Any]:
-    """Run the job ``cfg`` describes into ``run_dir``; returns the summary (final and best metrics). ``python``:
-    started by :func:`hookexp.run.train`, whose errors name its arguments rather than the command line's flags."""
+    """Run the job ``cfg`` describes into ``run_dir``; returns the summary (final and best metrics). ``launch``:
+    how it was started (the command line, or :func:`hookexp.run.train`), for the fixes its errors name."""
     started = time.perf_counter()
     check_logger(cfg.logger)
     device = pick_device(cfg.trainer.device)
@@ -72,7 +73,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
         main = ranks.is_main  # only rank 0 writes files and logs
         run_dir = ranks.broadcast(run_dir)  # rank 0's (each rank's Hydra may have named its own timestamped one)
         ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, main=main, ranks=ranks,
-                            python=python)
+                            launch=launch)
         resumed = ckpt.load()  # a bad checkpoint fails before anything is built or written
         if main:
             require_writable(run_dir)

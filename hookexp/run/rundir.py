@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -29,7 +30,33 @@ RESUMABLE_CHANGES = ("trainer.max_steps", "trainer.epochs", "trainer.progress", 
                      "trainer.device", "trainer.num_threads", "trainer.save_records", "data.num_workers",
                      "trainer.stop_when", "hydra.searchpath", "logger.", "resume")
 
-PYTHON_KEY = "train(run_dir=...)"  # what the errors of hookexp.run.train are about (the CLI's: hydra.run.dir)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a run was started, so that an error names its fix as the user can give it: on the command line
+    (:data:`CLI`) or as the arguments of :func:`hookexp.run.train` (:data:`PYTHON`)."""
+
+    key: str  # the setting the run-directory errors are about
+    writable: str  # how to pick a writable run directory
+    resume: str  # continue the run in {run_dir}
+    resume_from: str  # continue from the checkpoint {path}
+    overwrite: str  # start the run over
+    elsewhere: str  # pick another run directory
+    resume_here: str  # continue the run in the run directory given
+    dir_name: str  # the run directory's name in a sentence
+    give_dir: str  # how to give the interrupted run's directory
+    resume_key: str  # the setting the resume errors are about
+
+
+CLI = Launch("hydra.run.dir", "Choose a writable directory with hydra.run.dir=PATH",
+             "resume=true hydra.run.dir={run_dir}", "resume=true hydra.run.dir=... with resume={path}",
+             "+overwrite=true", "choose another directory (hydra.run.dir=PATH, or leave it out for a new timestamped "
+             "one)", "resume=true", "hydra.run.dir", "give hydra.run.dir=<the interrupted run's directory>", "resume")
+PYTHON = Launch("train(run_dir=...)", "Pass a writable run_dir", "train(cfg, run_dir, resume=True)",
+                "train(cfg, run_dir, resume='{path}')", "train(cfg, run_dir, overwrite=True)", "pass another run_dir",
+                "train(cfg, run_dir, resume=True)", "run_dir", "pass the interrupted run's directory",
+                "train(resume=...)")
 
 
 def results_in(run_dir: Path) -> list[str]:
@@ -40,7 +67,7 @@ def truthy(value: object) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
-def require_creatable(run_dir: Path, python: bool = False) -> None:
+def require_creatable(run_dir: Path, launch: Launch = CLI) -> None:
     """One paragraph when the run directory cannot be made or written: a file where a folder of its path should be,
     a read-only disk, no permission. (Checked before Hydra makes it, whose error would be a traceback.)"""
     there = run_dir
@@ -52,18 +79,14 @@ def require_creatable(run_dir: Path, python: bool = False) -> None:
         why = f"{there} is not writable (permissions, or a read-only file system)"
     else:
         return
-    if python:
-        raise RunDirError(f"cannot write the run directory {run_dir}: {why}. Pass a writable run_dir, or fix the path "
-                          "or its permissions.", key=PYTHON_KEY)
-    raise RunDirError(f"cannot write the run directory {run_dir}: {why}. Choose a writable directory with "
-                      "hydra.run.dir=PATH, or fix the path or its permissions.", key="hydra.run.dir")
+    raise RunDirError(f"cannot write the run directory {run_dir}: {why}. {launch.writable}, or fix the path or its "
+                      "permissions.", key=launch.key)
 
 
-def claim(run_dir: Path, resume: object, overwrite: object, python: bool = False) -> bool:
+def claim(run_dir: Path, resume: object, overwrite: object, launch: Launch = CLI) -> bool:
     """Check ``run_dir`` before a run starts; returns whether this launch creates it (then a failure before
-    training removes it again). ``python``: the launch is :func:`hookexp.run.train`, whose errors name its
-    arguments (``resume=True``, ``overwrite=True``, ``run_dir``) rather than the command line's flags."""
-    require_creatable(run_dir, python)
+    training removes it again). The errors name their fixes as ``launch`` takes them."""
+    require_creatable(run_dir, launch)
     if not run_dir.exists():
         return True
     found = results_in(run_dir)
@@ -79,13 +102,8 @@ def claim(run_dir: Path, resume: object, overwrite: object, python: bool = False
         return False
     clash = (f"{run_dir} already holds a run ({', '.join(found)}); a new run there would mix its results with that "
              "one's.")
-    if python:
-        raise RunDirError(f"{clash} Continue that run with train(cfg, run_dir, resume=True), start it over with "
-                          "train(cfg, run_dir, overwrite=True) (deletes its results), or pass another run_dir.",
-                          key=PYTHON_KEY)
-    raise RunDirError(f"{clash} Continue that run with resume=true hydra.run.dir={run_dir}, start it over "
-                      "with +overwrite=true (deletes its results), or choose another directory "
-                      "(hydra.run.dir=PATH, or leave it out for a new timestamped one).", key="hydra.run.dir")
+    raise RunDirError(f"{clash} Continue that run with {launch.resume.format(run_dir=run_dir)}, start it over with "
+                      f"{launch.overwrite} (deletes its results), or {launch.elsewhere}.", key=launch.key)
 
 
 def claim_sweep(sweep_dir: Path, overwrite: object) -> None:
