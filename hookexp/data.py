@@ -196,6 +196,16 @@ def classes_in(*sets: Any) -> int | None:
     return found + 1 if found >= 0 else None
 
 
+def input_size(ds: Any) -> int | None:
+    """The number of elements of one example's input in a map-style set of ``(input, label)`` pairs (what a flat
+    model's ``input_dim`` is); None when it cannot be known (an iterable set, other examples)."""
+    if ds is None or _is_iterable_only(ds) or len(ds) == 0:
+        return None
+    example = (ds.x[0], ds.y[0]) if isinstance(ds, TensorSet) else ds[0]
+    x = example[0] if isinstance(example, (tuple, list)) and len(example) == 2 else None
+    return int(x.numel()) if isinstance(x, torch.Tensor) else None
+
+
 def check_fraction(value: Any, key: str) -> float:
     """A fraction strictly between 0 and 1 (a held-out share), or a ConfigError naming ``key``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:

@@ -444,6 +444,20 @@ def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a
         "model.num_classes=<value>.")
 
 
+def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path: Path, caplog):
+    """Issue 27.9 with model=mlp (input_dim, output_dim: auto): one example's input gives input_dim, the labels
+    output_dim, said in the log; the built model is the one those sizes make."""
+    overrides = ["model=mlp", "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
+                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
+    with caplog.at_level("INFO", logger="hookexp.build"):
+        summary = train(config(*overrides), tmp_path / "mlp", overrides)
+    assert summary["status"] == "finished"
+    assert "model.input_dim=auto: 4, the number of elements of one training example's input" in caplog.text
+    assert "model.output_dim=auto: 5, the largest label of the training and validation sets + 1" in caplog.text
+    built = json.loads((tmp_path / "mlp" / "manifest.json").read_text())["config"]["model"]
+    assert (built["input_dim"], built["output_dim"]) == (4, 5)
+
+
 def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_path: Path):
     """Issue 27.19: a script calling hookexp.run.train twice into one directory ended in a RunDirError whose fixes
     were command-line flags (+overwrite=true). train() takes resume= and overwrite=, and its errors name them."""

@@ -11,6 +11,7 @@ num_classes, ...), so model configs do not repeat the data's shape.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -210,15 +211,19 @@ def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str,
               derive: Mapping[str, Callable[[], tuple[Any, str]]] | None = None) -> DictConfig:
     """A copy of ``node`` with every ``auto`` value (also in nested mappings, e.g. ``model.config.vocab_size``)
     taken from the data's ``info``. ``derive``: for a name the data does not give, a function returning
-    ``(value, "")`` or ``(None, why it cannot be known)``, called once and only when a value asks for it."""
+    ``(value, how it was found)``, logged, or ``(None, why it cannot be known)``, called once and only when a value
+    asks for it."""
     known = dict(info)
     why: dict[str, str] = {}
 
     def lookup(name: str, where: str) -> Any:
         if name not in known and name not in why and derive and name in derive:
-            value, why[name] = derive[name]()
-            if value is not None:
+            value, how = derive[name]()
+            if value is None:
+                why[name] = how
+            else:
                 known[name] = value
+                log.info("%s.%s=auto: %s, %s", where, name, value, how)
         if name not in known:
             given = ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, (list, dict))) or "nothing"
             reason = f" {why[name]}" if why.get(name) else ""
@@ -239,16 +244,28 @@ def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str,
     return OmegaConf.create(values)
 
 
-def classes_from_labels(loaders: Loaders) -> tuple[int | None, str]:
-    """``num_classes`` of a classification run whose data does not say it: read from map-style sets' labels."""
-    from hookexp.data import classes_in
+def derived_from_examples(loaders: Loaders, task: Task) -> dict[str, Callable[[], tuple[Any, str]]]:
+    """What a model's ``auto`` sizes are when the data does not say them: read from a user's own map-style sets
+    (``input_dim`` from one example's input; for classification, ``num_classes`` / ``output_dim`` from the labels)."""
+    from hookexp.data import classes_in, input_size
 
-    classes = classes_in(loaders.train, loaders.val)
-    if classes is None:
-        return None, ("Its labels cannot be read: the data set is iterable (it streams) or its examples carry no "
-                      "integer class labels.")
-    log.info("model.num_classes=auto: %d, the largest label of the training and validation sets + 1", classes)
-    return classes, ""
+    @functools.cache
+    def classes() -> tuple[int | None, str]:
+        found = classes_in(loaders.train, loaders.val)
+        return (found, "the largest label of the training and validation sets + 1") if found is not None else (
+            None, "Its labels cannot be read: the data set is iterable (it streams) or its examples carry no "
+                  "integer class labels.")
+
+    def inputs() -> tuple[int | None, str]:
+        found = input_size(loaders.train)
+        return (found, "the number of elements of one training example's input") if found is not None else (
+            None, "One example's input cannot be read: the data set is iterable, or its examples are not "
+                  "(input, label) pairs of tensors.")
+
+    derive: dict[str, Callable[[], tuple[Any, str]]] = {"input_dim": inputs}
+    if isinstance(task, Classification):
+        derive.update(num_classes=classes, output_dim=classes)
+    return derive
 
 
 def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) -> DictConfig:
@@ -358,8 +375,8 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     task = build_task(cfg, overrides)
     goal = stop_goal(cfg, task)
     loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
-    derive = {"num_classes": lambda: classes_from_labels(loaders)} if isinstance(task, Classification) else None
-    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model", derive)
+    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model",
+                          derived_from_examples(loaders, task))
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{model_cfg._target_} built a {type(model).__name__}, not a torch.nn.Module.", key="model")
