@@ -8,7 +8,8 @@ The library API (no Hydra, no W&B)::
         model(x).sum().backward()
     hooks.stats()
     # forward kinds act in the module mode their phase names: "train" (default), "eval" (analysis) or "both"
-    with attach(model.eval(), {"ablate": {"target": "@attn", "kind": "forward", "transform": "zero", "phase": "eval"}}):
+    with torch.no_grad(), attach(model.eval(), {"ablate": {"target": "@attn", "kind": "forward", "transform": "zero",
+                                                           "phase": "eval"}}):
         logits = model(x)
 
     hookexp.watch(model, optimizer, every=10, log=wandb.run)   # the trainer's statistics in any loop
