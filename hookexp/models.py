@@ -296,7 +296,8 @@ class GPT(nn.Module):
     biases zero. ``init="torch"``: PyTorch's own defaults, as research code that sets no init has (Linear:
     U(-1/sqrt(fan_in), 1/sqrt(fan_in)) weights and biases; Embedding: N(0, 1); LayerNorm: ones and zeros;
     attention as ``nn.MultiheadAttention`` initialises itself: Xavier-uniform ``qkv.weight``, zero ``qkv`` and
-    ``proj`` biases). ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
+    ``proj`` biases). ``init="normal"``: every Linear and Embedding weight N(0, ``init_std``), biases zero, no
+residual scaling (Nanda et al. 2023's grokking model: ``init_std`` = 1/sqrt(d_model)). ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
     listed once, as ``embed.weight``, by ``named_parameters``).
 
     ``parametrization="mup"``: µP with ``base_width`` (module docstring; the width is ``d_model``, and ``d_mlp``
@@ -309,7 +310,8 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, block_size: int = 128, n_layer: int = 4, n_head: int = 4, d_model: int = 256,
                  d_mlp: int | None = None, dropout: float = 0.0, act: str = "gelu", norm: str = "layer",
                  bias: bool = True, tie_weights: bool = False, parametrization: str = "sp",
-                 base_width: int | None = None, init: str = "gpt2", layout: str = "pre_norm"):
+                 base_width: int | None = None, init: str = "gpt2", layout: str = "pre_norm",
+                 init_std: float | None = None):
         super().__init__()
         _choice("parametrization", parametrization, PARAMETRIZATIONS)
         if parametrization == "mup" and tie_weights:
@@ -336,7 +338,12 @@ class GPT(nn.Module):
         _fraction("dropout", dropout)
         _choice("act", act, tuple(ACTIVATIONS))
         _choice("norm", norm, ("layer", "none"))
-        _choice("init", init, ("gpt2", "torch"))
+        _choice("init", init, ("gpt2", "torch", "normal"))
+        if (init == "normal") != (init_std is not None):
+            raise ValueError(f"init_std goes with init=normal and only with it (got init={init!r}, init_std={init_std!r}):"
+                             " set model.init=normal model.init_std=0.088, or leave init_std null")
+        if init_std is not None and (isinstance(init_std, bool) or not isinstance(init_std, Real) or init_std <= 0):
+            raise ValueError(f"init_std must be a positive number, got {init_std!r}")
         _choice("layout", layout, LAYOUTS)
         self.block_size, self.dropout = block_size, dropout
         self.embed = nn.Embedding(vocab_size, d_model)
@@ -350,9 +357,9 @@ class GPT(nn.Module):
         if parametrization == "mup":
             normal_ = _base_shapes(self, lambda w: GPT(**given, d_model=w, d_mlp=mlp_ratio and round(mlp_ratio * w)),
                                    base_width, rescale_params=False).init.normal_
-        for name, module in self.named_modules() if init == "gpt2" else ():
+        for name, module in self.named_modules() if init in ("gpt2", "normal") else ():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02
+                std = init_std if init == "normal" else 0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02
                 normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)

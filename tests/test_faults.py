@@ -238,6 +238,22 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_touched(tmp_path, da
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
 
 
+def test_a_finished_run_goes_on_from_its_last_step(tmp_path):
+    """With trainer.checkpoint_every set, the final step is checkpointed too: a larger max_steps resumes from
+    the end, not from the last multiple of checkpoint_every."""
+    args = ["scheduler=constant", "trainer.checkpoint_every=3", "stats.every=1"]
+    train(config(*args, "trainer.max_steps=5"), tmp_path / "cut")
+    last = tmp_path / "cut" / "checkpoints" / "last.pt"
+    assert torch.load(last, weights_only=False)["loop"]["step"] == 5
+    train(config(*args, "trainer.max_steps=8", "resume=true"), tmp_path / "cut")
+    train(config(*args, "trainer.max_steps=8"), tmp_path / "straight")
+    assert torch.load(last, weights_only=False)["loop"]["step"] == 8
+    rows = {run: [r for r in without_timing(tmp_path / run / "metrics.jsonl") if "train/loss" in r]
+            for run in ("cut", "straight")}
+    assert [r["trainer/step"] for r in rows["cut"]] == list(range(8))
+    assert rows["cut"] == rows["straight"]  # the same 8 steps (the first run's end adds a validation line)
+
+
 def test_resuming_with_another_config_lists_the_differences(tmp_path):
     """Issue 20.8: a changed lr or hook spec is refused; trainer.max_steps may change."""
     train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path / "a")

@@ -62,6 +62,26 @@ def test_torch_init_keeps_pytorchs_module_defaults():
     assert gpt2.embed.weight.std().item() == pytest.approx(0.02, rel=0.05) and not gpt2.blocks[0].mlp.fc.bias.any()
 
 
+def test_normal_init_draws_every_weight_from_one_std_and_zeroes_biases():
+    std = 1 / math.sqrt(128)  # Nanda et al. 2023: every matrix N(0, 1/d_model)
+    torch.manual_seed(5)
+    model = GPT(vocab_size=113, block_size=4, n_layer=1, n_head=4, d_model=128, d_mlp=512, init="normal", init_std=std)
+    torch.manual_seed(5)  # gpt2's init draws the same normals in the same order, at 0.02 (0.02/sqrt(2) on .proj)
+    gpt2 = GPT(vocab_size=113, block_size=4, n_layer=1, n_head=4, d_model=128, d_mlp=512)
+    for name, module in gpt2.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            drawn = 0.02 / math.sqrt(2) if name.endswith(".proj") else 0.02
+            torch.testing.assert_close(model.get_submodule(name).weight / std, module.weight / drawn, msg=name)
+    assert not model.blocks[0].mlp.fc.bias.any()
+    assert model.blocks[0].mlp.proj.weight.std().item() == pytest.approx(std, rel=0.05)
+    with pytest.raises(ValueError, match=r"^init_std goes with init=normal.*model.init=normal model.init_std"):
+        GPT(vocab_size=5, init_std=0.1)
+    with pytest.raises(ValueError, match=r"^init_std goes with init=normal"):
+        GPT(vocab_size=5, init="normal")
+    with pytest.raises(ValueError, match=r"^init_std must be a positive number, got -1"):
+        GPT(vocab_size=5, init="normal", init_std=-1)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [({"init": "xavier"}, "init"), ({"layout": "post"}, "layout")])
 def test_unknown_init_and_layout_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=rf"^{message}"):

@@ -235,7 +235,9 @@ def loop_over_steps(cfg: DictConfig, parts: Parts, forward: torch.nn.Module, hoo
         # SIGTERM/SIGINT: under DDP the ranks agree on log steps only, so no other step pays a collective
         stopping = ckpt.stop_requested if not parts.ranks.enabled else (
             log_now and parts.ranks.any(ckpt.stop_requested, device))
-        due = checkpoint_every and taken and loop.step % checkpoint_every == 0
+        # the last step too, so that a finished run goes on from where it ended (resume=true, a larger max_steps)
+        due = checkpoint_every and taken and (loop.step % checkpoint_every == 0 or loop.step == total
+                                              or reached is not None)
         if stopping or due or (spike is not None and telemetry.spike.checkpoint):
             save_checkpoint(ckpt, loop, model, telemetry)
         if stopping:
