@@ -22,13 +22,13 @@ from itertools import pairwise
 
 from overhead import MODELS, stats_all, trainer_loop  # this script's folder is on sys.path when it is run
 
-from hookexp.run.telemetry import Telemetry
+from hookexp.telemetry.observer import Observers
 
 ENDS: list[float] = []  # perf_counter at the end of every step of the current run
-_end_step = Telemetry.end_step
+_end_step = Observers.end
 
 
-def end_step_timed(self: Telemetry, step: int) -> None:
+def end_step_timed(self: Observers, step: int) -> None:
     """The trainer's last call of every step (after the log step's read-back and the sinks), timed."""
     _end_step(self, step)
     ENDS.append(time.perf_counter())
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    Telemetry.end_step = end_step_timed  # the trainer's last call of every step, timed
+    Observers.end = end_step_timed  # the trainer's last call of every step, timed
     print(f"stats.every={args.every}, {args.steps} steps a run, median ms per step; extra = log step - other step")
     print("\n| model | statistics | run | other step | log step | extra | log / other |\n|---|---|---|---|---|---|---|")
     for name in args.models.split(","):

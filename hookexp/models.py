@@ -297,7 +297,8 @@ class GPT(nn.Module):
     U(-1/sqrt(fan_in), 1/sqrt(fan_in)) weights and biases; Embedding: N(0, 1); LayerNorm: ones and zeros;
     attention as ``nn.MultiheadAttention`` initialises itself: Xavier-uniform ``qkv.weight``, zero ``qkv`` and
     ``proj`` biases). ``init="normal"``: every Linear and Embedding weight N(0, ``init_std``), biases zero, no
-residual scaling (Nanda et al. 2023's grokking model: ``init_std`` = 1/sqrt(d_model)). ``layout``: see :class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
+residual scaling (Nanda et al. 2023's grokking model: ``init_std`` = 1/sqrt(d_model)). ``layout``: see
+:class:`Block`. ``tie_weights`` shares ``head.weight`` with ``embed.weight`` (then
     listed once, as ``embed.weight``, by ``named_parameters``).
 
     ``parametrization="mup"``: µP with ``base_width`` (module docstring; the width is ``d_model``, and ``d_mlp``
@@ -340,8 +341,9 @@ residual scaling (Nanda et al. 2023's grokking model: ``init_std`` = 1/sqrt(d_mo
         _choice("norm", norm, ("layer", "none"))
         _choice("init", init, ("gpt2", "torch", "normal"))
         if (init == "normal") != (init_std is not None):
-            raise ValueError(f"init_std goes with init=normal and only with it (got init={init!r}, init_std={init_std!r}):"
-                             " set model.init=normal model.init_std=0.088, or leave init_std null")
+            raise ValueError(f"init_std goes with init=normal and only with it (got init={init!r}, "
+                             f"init_std={init_std!r}): set model.init=normal model.init_std=0.088, or leave init_std "
+                             "null")
         if init_std is not None and (isinstance(init_std, bool) or not isinstance(init_std, Real) or init_std <= 0):
             raise ValueError(f"init_std must be a positive number, got {init_std!r}")
         _choice("layout", layout, LAYOUTS)
@@ -359,7 +361,8 @@ residual scaling (Nanda et al. 2023's grokking model: ``init_std`` = 1/sqrt(d_mo
                                    base_width, rescale_params=False).init.normal_
         for name, module in self.named_modules() if init in ("gpt2", "normal") else ():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = init_std if init == "normal" else 0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02
+                std = init_std if init == "normal" else (
+                    0.02 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 0.02)
                 normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)

@@ -76,7 +76,7 @@ def main() -> None:
         sinks.os.open = opened
         sinks.os.write = lambda fd, data: counted(fd, data) if fd in fds else real_write(fd, data)
     elif name in ("kill_in_shutdown", "term_in_shutdown"):
-        from hookexp.run import loop as train
+        from hookexp.run import trainer as train
 
         real_plot = train.plot_grad_norms
         sig = signal.SIGKILL if name == "kill_in_shutdown" else signal.SIGTERM

@@ -11,11 +11,11 @@ import torch
 from conftest import read_jsonl
 from hydra import compose, initialize_config_module
 
-import hookexp.run.loop as train_module
 from hookexp.engine import HookHandle
 from hookexp.run.loop import train
-from hookexp.run.telemetry import Telemetry
+from hookexp.run.trainer import Trainer
 from hookexp.sinks import Sinks
+from hookexp.telemetry.observer import Observers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,13 +29,13 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     """torch's sync debug mode set to "error" from the end of each log step (its record handed to the
     sinks) to the start of the next: any synchronising CUDA call on the steps between (an .item(), a
     blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on."""
-    start, log, evaluate = Telemetry.start_step, Sinks.log, train_module.evaluate
+    start, log, evaluate = Observers.start, Sinks.log, Trainer.evaluate
     modes: dict[int, int] = {}
 
-    def start_step(self: Telemetry, logging: bool) -> None:
+    def start_step(self: Observers, step: int, logging: bool) -> None:
         if logging:
             torch.cuda.set_sync_debug_mode(0)
-        start(self, logging)
+        start(self, step, logging)
 
     def end_log_step(self: Sinks, *args, **kwargs) -> None:
         log(self, *args, **kwargs)
@@ -51,9 +51,9 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
         modes[step - 1] = torch.cuda.get_sync_debug_mode()
         set_step(self, step)
 
-    monkeypatch.setattr(Telemetry, "start_step", start_step)
+    monkeypatch.setattr(Observers, "start", start_step)
     monkeypatch.setattr(Sinks, "log", end_log_step)
-    monkeypatch.setattr(train_module, "evaluate", evaluate_may_sync)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate_may_sync)
     monkeypatch.setattr(HookHandle, "set_step", note_mode)
     hooks = ["hooks=[clamp_conv,dead_relu_probe]", "+hooks.clip={target:'*',kind:pre_step,transform:clamp,"
              "args:{min:-0.01,max:0.01}}"]

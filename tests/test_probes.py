@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hookexp import ConfigError, TargetError
+from hookexp.telemetry.observer import Observers
 from hookexp.telemetry.probes import Probes
 from hookexp.telemetry.readback import read
 
@@ -46,6 +47,12 @@ def close(a: float, b: float, rel: float = 1e-9) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
 
+def probes_on(model, opt, **settings):
+    """Probes driven as the trainer and watch() drive them: by an Observers' optimizer hooks."""
+    probes = Probes(model, opt, **settings)
+    return probes, Observers({"stats": probes}, opt)
+
+
 def make(optim: str):
     torch.manual_seed(0)
     model = Net()
@@ -62,8 +69,8 @@ def test_every_family_equals_a_hand_computation_over_two_steps(optim: str):
     hand_model, hand_opt = copy.deepcopy(model), None
     hand_opt = (torch.optim.SGD(hand_model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd"
                 else torch.optim.AdamW(hand_model.parameters(), lr=0.01, weight_decay=0.1))
-    probes = Probes(model, opt, grads="*", activations="blocks.?", params="*", updates="*", optimizer_state="*",
-                    group_by=r"re:^blocks\.\d+")
+    probes, observers = probes_on(model, opt, grads="*", activations="blocks.?", params="*", updates="*",
+                                  optimizer_state="*", group_by=r"re:^blocks\.\d+")
     states = ["momentum_buffer"] if optim == "sgd" else ["exp_avg", "exp_avg_sq"]
     for step in range(2):
         x, y = data(step)
@@ -117,12 +124,12 @@ def test_every_family_equals_a_hand_computation_over_two_steps(optim: str):
                          math.sqrt(sum(dict(hand_model.named_parameters())[m].double().norm().item() ** 2
                                        for m in members)), 1e-6)
         assert not any("group/head" in k for k in got)  # head is in no group
-    probes.remove()
+    observers.close()
 
 
 def test_nothing_is_kept_or_described_on_steps_that_do_not_log():
     model, opt = make("sgd")
-    probes = Probes(model, opt, grads="*", activations="blocks.?", updates="*")
+    probes, _observers = probes_on(model, opt, grads="*", activations="blocks.?", updates="*")
     x, y = data()
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
@@ -139,8 +146,8 @@ def test_nothing_is_kept_or_described_on_steps_that_do_not_log():
 
 def test_removing_the_probes_removes_their_hooks():
     model, opt = make("sgd")
-    probes = Probes(model, opt, grads="*", activations="blocks.?")
-    probes.remove()
+    probes, observers = probes_on(model, opt, grads="*", activations="blocks.?")
+    observers.close()
     probes.active = True
     x, y = data()
     nn.functional.cross_entropy(model(x), y).backward()
@@ -151,7 +158,7 @@ def test_removing_the_probes_removes_their_hooks():
 
 def test_histograms_only_for_gradients_and_activations():
     model, opt = make("sgd")
-    probes = Probes(model, opt, grads="head.*", activations="blocks.0", params="*", hist_bins=4)
+    probes, _observers = probes_on(model, opt, grads="head.*", activations="blocks.0", params="*", hist_bins=4)
     probes.active = True
     x, y = data()
     nn.functional.cross_entropy(model(x), y).backward()

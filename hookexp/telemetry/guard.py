@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hookexp.errors import ConfigError, NonFiniteError
+from hookexp.telemetry.observer import Observer
 
 log = logging.getLogger("hookexp.guard")
 POLICIES = ("raise", "skip_step", "warn", "off")
@@ -43,7 +44,10 @@ def all_finite(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> torch.Te
     return torch.cat(parts).isfinite().all() if parts else torch.ones((), dtype=torch.bool)
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(Observer):
+    """The guard (module docstring), an :class:`~hookexp.telemetry.observer.Observer`: ``allow_update`` decides,
+    ``pending`` reads a deferred first bad step on the log step."""
+
     def __init__(self, policy: str, model: nn.Module, touching: Callable[[list[str]], list[str]] | None = None,
                  device: torch.device | None = None, check_grads: bool = True,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -61,7 +65,7 @@ class NonFiniteGuard:
         self.warned = 0
         self._first: torch.Tensor | None = None  # the first non-finite step since the last log step (device)
 
-    def before_update(self, loss: torch.Tensor, step: int) -> bool:
+    def allow_update(self, loss: torch.Tensor | None, step: int) -> bool:
         """True to take the optimizer step, False to skip it (``skip_step`` only)."""
         if self.policy == "off":
             return True
@@ -131,3 +135,10 @@ class NonFiniteGuard:
 
     def summary(self) -> dict[str, Any]:
         return {"guard/skipped_steps": self.skipped, "guard/nonfinite_warnings": self.warned}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.summary()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped = int(state["guard/skipped_steps"])
+        self.warned = int(state["guard/nonfinite_warnings"])

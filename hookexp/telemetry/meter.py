@@ -13,21 +13,27 @@ from typing import Any
 
 import torch
 
-from hookexp.run.distributed import Dist
-from hookexp.tasks import Task
+from hookexp.telemetry.observer import Observer
 from hookexp.telemetry.readback import wide_dtype
 
 Decoder = Callable[[Any], dict[str, float]]
 
 
-class TrainMeter:
-    """``train/<metric>`` of the steps since the last log step: the task's sums over counted items."""
+class _OneProcess:
+    enabled, world_size, rank, is_main = False, 1, 0, True
 
-    def __init__(self, task: Task, device: torch.device, ranks: Dist | None = None):
+
+class TrainMeter(Observer):
+    """``train/<metric>`` of the steps since the last log step: the task's sums over counted items. ``task``:
+    a :class:`hookexp.tasks.Task` (``metric_names``, ``finish``); ``ranks``: the run's ranks
+    (:class:`hookexp.run.distributed.Dist`: ``enabled``, ``sum``, ``gather``, ``world_size``, ``rank``,
+    ``is_main``), None for one process."""
+
+    def __init__(self, task: Any, device: torch.device, ranks: Any = None):
         self.task = task
         self.names = tuple(task.metric_names)
         self.device = device
-        self.ranks = ranks or Dist()
+        self.ranks = ranks or _OneProcess()
         self._dtype = wide_dtype(device)
         self._totals = torch.zeros(len(self.names) + 1, dtype=self._dtype, device=device)  # sums..., count
 

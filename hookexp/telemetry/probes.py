@@ -45,6 +45,7 @@ from torch import nn
 
 from hookexp.engine import attach, match
 from hookexp.errors import ConfigError
+from hookexp.telemetry.observer import Observer
 from hookexp.telemetry.readback import Pending
 from hookexp.telemetry.stats import STATS, TensorStats, norms
 
@@ -86,8 +87,10 @@ def _grouper(pattern: str | None, key: str) -> Callable[[str], str | None]:
     return group
 
 
-class Probes:
-    """The statistics probes of one model and optimizer; see the module docstring. ``activations_sharded``:
+class Probes(Observer):
+    """The statistics probes of one model and optimizer, an :class:`~hookexp.telemetry.observer.Observer`
+    (driven by :class:`~hookexp.telemetry.observer.Observers`, whose optimizer hooks call
+    :meth:`before_update` and :meth:`after_update`); see the module docstring. ``activations_sharded``:
     whether activations are one rank's part of a batch spread over the default process group (DDP/FSDP; by
     default: whenever torch.distributed is initialized with several ranks). ``key`` names a setting in errors
     (the trainer's ``stats.*`` keys by default; ``watch`` names its own arguments)."""
@@ -95,7 +98,7 @@ class Probes:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, grads: str | None = "*",
                  activations: str | None = None, params: str | None = None, updates: str | None = None,
                  optimizer_state: str | None = None, group_by: str | None = None, hist_bins: int = 0,
-                 hist_sample: int | None = 4096, activations_sharded: bool | None = None, before_hook: bool = True,
+                 hist_sample: int | None = 4096, activations_sharded: bool | None = None,
                  key: Callable[[str], str] = trainer_key):
         self.grads = [(f"grad/{n}", p) for n, p in _params(model, grads, key("grads"))]  # (metric key, parameter)
         self.params = _params(model, params, key("params"), trainable=False)
@@ -114,17 +117,12 @@ class Probes:
         self._normed: dict[str, torch.Tensor] = {}  # param/, update/, weight/, opt/ tensors: norms only
         self._before: list[torch.Tensor] = []
         self._active = False
-        self._handles: list[Any] = []
         self._acts = None
         if activations:
             match(model, activations, on="module", key=key("activations"))  # a bad pattern names its key
             self._acts = attach(model, {"stats.activations": {"target": activations, "kind": "forward",
                                                               "transform": self._keep_activation, "phase": "train"}},
                                 measure=False, probe=True)
-        if optimizer is not None and (self.grads or self.updates or self.opt_params or self.params):
-            self._handles = [optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_step())]
-            if before_hook:  # else the loop calls before_step() (see HookHandle.run_pre_step_by_hand)
-                self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_step()))
         self._optimizer = optimizer
 
     @property
@@ -137,6 +135,9 @@ class Probes:
         self._active = on
         if self._acts is not None:
             self._acts.measuring = on
+
+    def start(self, step: int, log: bool) -> None:
+        self.active = log
 
     # -- capture ----------------------------------------------------------------------------------------
     def _keep_activation(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -155,16 +156,16 @@ class Probes:
             self._described = (values, decode)
 
     @torch.no_grad()
-    def before_step(self) -> None:
-        """Right before the update, on final gradients (an optimizer step pre-hook calls it, or the loop)."""
+    def before_update(self) -> None:
+        """Right before the update, on final gradients."""
         if not self._active:
             return
         self._describe({key: p.grad for key, p in self.grads if p.grad is not None and p.grad.numel()})
         self._before = [p.detach().clone() for _, p in self.updates]
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Right after the update (an optimizer step post-hook calls it)."""
+    def after_update(self) -> None:
+        """Right after the update."""
         if not self._active:
             return
         for (name, p), before in zip(self.updates, self._before, strict=True):
@@ -227,10 +228,7 @@ class Probes:
             out.update({f"{family}/group/{g}/norm": _total(v) for g, v in groups.items()})
         return out
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def close(self) -> None:
         if self._acts is not None:
             self._acts.remove()
         self._acts_kept.clear()
@@ -239,11 +237,21 @@ class Probes:
         self._before = []
 
 
-def hook_effects(hooks: Any) -> Pending:
-    """What the specs of ``hooks`` (a HookHandle) did since the last read, as ``hook/<spec>/<stat>``; resets."""
-    values, decode = hooks.pending_stats(reset=True)
-    return values, lambda host: {f"hook/{spec}/{k}": v for spec, row in decode(host.tolist()).items()
-                                 for k, v in row.items() if k != "targets"}
+class HookEffects(Observer):
+    """What the specs of ``hooks`` (a HookHandle) did on log steps, as ``hook/<spec>/<stat>``: they are
+    measured on log steps only."""
+
+    def __init__(self, hooks: Any):
+        self.hooks = hooks
+
+    def start(self, step: int, log: bool) -> None:
+        self.hooks.measuring = log
+
+    def pending(self) -> Pending:
+        """What the specs did since the last read; resets."""
+        values, decode = self.hooks.pending_stats(reset=True)
+        return values, lambda host: {f"hook/{spec}/{k}": v for spec, row in decode(host.tolist()).items()
+                                     for k, v in row.items() if k != "targets"}
 
 
 def _total(norms: Any) -> float:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hookexp.errors import ConfigError, did_you_mean
+from hookexp.telemetry.observer import Observer
 
 
 @dataclass
@@ -36,7 +37,11 @@ class Spike:
 
 
 @dataclass
-class SpikeRecorder:
+class SpikeRecorder(Observer):
+    """The spike recorder (module docstring), an :class:`~hookexp.telemetry.observer.Observer`: it observes the
+    log steps' metrics, and turns the ``record`` specs of the hooks given to :meth:`pause_records` on for a
+    spike's window."""
+
     metric: str | None = None
     window: int = 20
     threshold: float = 3.0
@@ -47,6 +52,7 @@ class SpikeRecorder:
     history: deque[float] = field(default_factory=deque)
     until: int = -1  # the window after a spike: steps < until log every step
     found: int = 0
+    hooks: Any = None  # the HookHandle whose record specs a spike turns on
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None, record_specs: list[str], specs: list[str],
@@ -82,6 +88,12 @@ class SpikeRecorder:
     def enabled(self) -> bool:
         return self.metric is not None
 
+    def pause_records(self, hooks: Any) -> None:
+        """The ``record`` specs of ``hooks`` (a HookHandle) stay off until a spike."""
+        self.hooks = hooks
+        if self.record:
+            hooks.pause(self.record)
+
     def logging_every_step(self, step: int) -> bool:
         return step < self.until
 
@@ -101,7 +113,14 @@ class SpikeRecorder:
         # every value enters the window, a spike's and those of the steps after it too: after a lasting rise (a
         # collapse, a new learning rate) the median moves up to the new level, and the rise is one spike
         self.history.append(float(value))
+        if spike is not None and self.record and self.hooks is not None:
+            self.hooks.pause(self.record, paused=False)
         return spike
+
+    def end(self, step: int) -> None:
+        """The step that ends a spike's window turns the record specs off again."""
+        if self.record and self.hooks is not None and self.window_ended(step):
+            self.hooks.pause(self.record)
 
     def window_ended(self, step: int) -> bool:
         """Whether ``step`` (just finished) was the last of a spike's window."""
@@ -113,3 +132,8 @@ class SpikeRecorder:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.history = deque(state["history"], maxlen=self.window)
         self.until, self.found = int(state["until"]), int(state["found"])
+        if self.record and self.hooks is not None and self.hooks.step < self.until:  # resumed inside a window
+            self.hooks.pause(self.record, paused=False)
+
+    def summary(self) -> dict[str, Any]:
+        return {"guard/spikes": self.found} if self.enabled else {}

@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from hookexp.errors import ConfigError, did_you_mean
-from hookexp.telemetry.probes import Probes, hook_effects
-from hookexp.telemetry.readback import Pending, read, split_histograms
+from hookexp.telemetry.observer import Observer, Observers
+from hookexp.telemetry.probes import HookEffects, Probes
+from hookexp.telemetry.readback import split_histograms
 
 Log = Callable[[dict[str, Any], int], Any]
 
@@ -57,7 +58,9 @@ def as_logger(log: Any) -> Log | None:
 
 
 class Watch:
-    """What :func:`watch` returns: owns its probes, hooks and optimizer hook; :meth:`remove` takes them all away."""
+    """What :func:`watch` returns: the statistics probes and the hook specs' effects as observers
+    (:class:`~hookexp.telemetry.observer.Observers`, the trainer's seam), driven from optimizer hooks;
+    :meth:`remove` takes them all away."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int = 10,
                  grads: str | None = "*", activations: str | None = None, params: str | None = None,
@@ -71,6 +74,7 @@ class Watch:
         self.every, self.step = every, step
         self._log = as_logger(log)
         self.last: dict[str, Any] = {}  # the metrics of the last log step
+        self.before_hook = before_hook
         # the hooks first: their pre_step specs run before the probes look at the gradients
         self.hooks = None
         if hooks:
@@ -83,14 +87,21 @@ class Watch:
         try:
             self.probes = Probes(model, optimizer, grads=grads, activations=activations, params=params,
                                  updates=updates, optimizer_state=optimizer_state, group_by=group_by,
-                                 hist_bins=hist_bins, hist_sample=hist_sample, before_hook=before_hook,
+                                 hist_bins=hist_bins, hist_sample=hist_sample,
                                  key=lambda setting: f"watch({setting}=...)")
         except BaseException:
             if self.hooks is not None:
                 self.hooks.remove()
             raise
-        self._handle = optimizer.register_step_post_hook(self._after_step)
-        self._switch()
+        named: dict[str, Observer] = {"stats": self.probes}
+        if self.hooks is not None:
+            named["hooks"] = HookEffects(self.hooks)
+        self.observers = Observers(named, optimizer, before_hook=before_hook)
+        self._handle = optimizer.register_step_post_hook(self._after_step)  # after the observers' own
+        self.observers.start(self.step, self.logs(self.step))
+
+    def logs(self, step: int) -> bool:
+        return step % self.every == 0
 
     def sync(self, step: int) -> None:
         """The loop's own count of optimizer steps (``global_step``), before the step's forward: a step fp16's
@@ -99,36 +110,28 @@ class Watch:
             self.step = step
             if self.hooks is not None:
                 self.hooks.set_step(step)
-            self._switch()
-
-    def _switch(self) -> None:
-        on = self.step % self.every == 0
-        self.probes.active = on
-        if self.hooks is not None:
-            self.hooks.measuring = on
+            self.observers.start(step, self.logs(step))
 
     def before_step(self) -> None:
         """With ``before_hook=False``: the loop calls this once the gradients are final, right before the update
-        (the ``pre_step`` specs, then the probes). For loops whose ``optimizer.step(closure)`` runs the backward
-        inside the closure, after torch's step pre-hooks (Lightning)."""
+        (the ``pre_step`` specs, then the observers). For loops whose ``optimizer.step(closure)`` runs the
+        backward inside the closure, after torch's step pre-hooks (Lightning)."""
         if self.hooks is not None:
             self.hooks.apply_pre_step()
-        self.probes.before_step()
-
-    def pending(self) -> list[Pending]:
-        return [self.probes.pending(), *([] if self.hooks is None else [hook_effects(self.hooks)])]
+        self.observers.before_update()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.probes.active:
-            self.last = read(self.pending())
+        if self.observers.log:
+            self.last = self.observers.read()
             if self._log is not None:
                 self._log(dict(self.last), self.step)
+        self.observers.end(self.step)
         self.step += 1
-        self._switch()
+        self.observers.start(self.step, self.logs(self.step))
 
     def remove(self) -> None:
         self._handle.remove()
-        self.probes.remove()
+        self.observers.close()
         if self.hooks is not None:
             self.hooks.remove()
 

@@ -1,0 +1,351 @@
+"""The trainer: a run's step, log step, validation, checkpoints and shutdown. Read :meth:`Trainer.fit` first.
+
+:func:`hookexp.run.loop.train` wires a run (ranks, checkpoint, parts) and hands it to a :class:`Trainer`.
+Costs: a step that does not log does a forward, a backward and an update, plus one on-device add of the
+task's metric sums; a log step (every ``stats.every`` steps, the last, and every step of a spike's window)
+adds the statistics and one device-to-host copy. ``trainer/step`` in every record is the 0-based index of
+the optimizer step whose gradients are described; validation runs after that step's update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from hookexp.engine import HookHandle, attach
+from hookexp.engine.validate import hooks_summary
+from hookexp.errors import ConfigError
+from hookexp.goals import lower_is_better
+from hookexp.plots import plot_grad_norms
+from hookexp.run import distributed
+from hookexp.run.build import Parts
+from hookexp.run.checkpoint import Checkpointer, LoopState
+from hookexp.run.loaders import to_device
+from hookexp.run.manifest import build_manifest
+from hookexp.run.observers import trainer_observers
+from hookexp.run.precision import MixedPrecision
+from hookexp.run.records import Records
+from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, wandb_mode, write_json_atomic
+from hookexp.telemetry.readback import split_histograms
+
+log = logging.getLogger("hookexp.train")
+
+
+def hook_specs(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg.hooks, resolve=True)  # type: ignore[return-value]
+
+
+class Trainer:
+    """One run's training: the parts (:class:`~hookexp.run.build.Parts`), the hooks, the precision, the
+    observers, the checkpointer, the sinks and the loop state. Built after the parts (and a resumed run's
+    weights): it attaches the hook specs and the observers before DDP wrapping and compiling, so that targets
+    keep their names. ``resumed``: the checkpoint's contents, or None."""
+
+    def __init__(self, cfg: DictConfig, parts: Parts, ckpt: Checkpointer, resumed: dict[str, Any] | None):
+        self.cfg, self.parts, self.ckpt = cfg, parts, ckpt
+        self.run_dir: Path = ckpt.run_dir
+        self.started = time.perf_counter()  # train() sets when the run started
+        main = parts.ranks.is_main  # only rank 0 writes files and logs
+        self.hooks: HookHandle = attach(parts.model, hook_specs(cfg), parts.optimizer, measure=False)
+        self.observers = None
+        try:
+            self.amp = MixedPrecision(cfg.trainer.precision, parts.device, self.hooks)
+            self.observers = trainer_observers(cfg, parts, self.hooks, grads_scaled=self.amp.scaler is not None)
+            self.meter, self.guard, self.spikes = (self.observers.named[k] for k in ("meter", "guard", "spike"))
+            self.forward = distributed.wrap(parts.model, cfg.trainer, parts.ranks, parts.device)
+            self.records = Records(self.hooks, self.run_dir, enabled=main and cfg.trainer.save_records)
+            self.local = LocalFiles(self.run_dir) if main else None
+            ckpt.track(scheduler=parts.scheduler, scaler=self.amp, hooks=self.hooks, telemetry=self.observers,
+                       files=self.local, records=self.records)
+            self.loop = ckpt.restore(resumed) if resumed is not None else LoopState()
+            if main:
+                self.write_manifest(resumed)
+            self.sinks = self.make_sinks(resumed)
+            if main and self.hooks.table():
+                log.info("hooks:\n%s", hooks_summary(self.hooks.table()))
+        except BaseException:
+            self.hooks.remove()
+            if self.observers is not None:
+                self.observers.close()
+            raise
+        self.period: list[dict[str, Any]] = []  # the steps since the last log step and their batches (spikes.jsonl)
+        self.last_log_time = time.perf_counter()
+        self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
+
+    # -- the run ------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to ``parts.total_steps``; returns the summary. A signal (SIGTERM/SIGINT) checkpoints and ends
+        the run as "interrupted"; any exit goes through :meth:`close`."""
+        status = "failed"
+        with self.ckpt.signals():
+            try:
+                status = self.steps()
+            finally:
+                summary = self.close(status)
+        return summary
+
+    def steps(self) -> str:
+        """The loop: step, validate, checkpoint, until the last step, a signal or ``trainer.stop_when``."""
+        loop, total, parts = self.loop, self.parts.total_steps, self.parts
+        per_epoch, eval_every = parts.loaders.batches_per_epoch(), self.cfg.trainer.eval_every
+        eval_epochs = self.cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full batch: one step an epoch)
+        bar = tqdm(total=total, initial=loop.step, disable=not self.cfg.trainer.progress, desc="train", unit="step",
+                   leave=False)
+        batches = None
+        parts.model.train()
+        while loop.step < total:
+            started = time.perf_counter()
+            if batches is None:  # this epoch's batches, from the loop's position in it (a resumed run starts mid-epoch)
+                batches = parts.loaders.epoch(loop.epoch, loop.batch)
+            log_now = loop.step % self.cfg.stats.every == 0 or loop.step == total - 1 or \
+                self.spikes.logging_every_step(loop.step)
+            taken, micro, spike = self.train_step(batches, per_epoch, log_now)
+            bar.update(bool(taken))
+            loop.train_s += time.perf_counter() - started
+            epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < micro
+            if epoch_done:
+                loop.epoch, loop.batch, batches = loop.epoch + 1, 0, None
+            epoch_eval = epoch_done and eval_epochs and loop.epoch % eval_epochs == 0
+            if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
+                self.evaluate()
+            if self.maybe_checkpoint(taken, log_now, spike):
+                log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.signum, loop.step,
+                            self.ckpt.path)
+                bar.close()
+                return "interrupted"
+            if self.reached is not None:
+                log.info("stopped after step %d: %s (trainer.stop_when)", self.reached, parts.goal)
+                parts.limit = f"trainer.stop_when={parts.goal}"  # what ended the run, for the summary and final line
+                break
+        bar.close()
+        if loop.evaluated != loop.step - 1:  # resumed from the final checkpoint, before its validation ran
+            self.evaluate()
+        return "finished"
+
+    def train_step(self, batches: Any, per_epoch: int | None, log_now: bool) -> tuple[int, int, Any]:
+        """One optimizer step over ``trainer.accumulate`` micro-batches (the epoch's last step takes those left);
+        returns (micro-batches taken, asked for, a spike found on its log step or None)."""
+        loop, parts, observers = self.loop, self.parts, self.observers
+        task, optimizer, first_batch = parts.task, parts.optimizer, loop.batch
+        observers.start(loop.step, log_now)
+        optimizer.zero_grad(set_to_none=True)
+        micro = parts.accumulate if per_epoch is None else min(parts.accumulate, per_epoch - loop.batch)
+        taken, loss = 0, None
+        for i in range(micro):
+            batch = next(batches, None)
+            if batch is None:  # an iterable data set ran out: the epoch ends here
+                break
+            batch = to_device(batch, parts.device)
+            # DDP all-reduces the gradients on the last micro-batch only
+            sync = self.forward.no_sync() if i < micro - 1 and hasattr(self.forward, "no_sync") else \
+                contextlib.nullcontext()
+            with sync, self.explaining():
+                with self.amp.autocast():
+                    output = task.forward(self.forward, batch)
+                    loss = task.loss(output, batch)
+                self.amp.backward(loss / micro)
+            self.meter.add(*task.sums(output, batch, loss))
+            taken += 1
+        if not taken and not loop.batch:
+            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
+                              "one that yields nothing). Check the data factory.", key="data.dataset")
+        loop.batch += taken
+        if not taken:
+            return taken, micro, None
+        self.amp.unscale(optimizer)  # pre_step specs, the guard and the statistics see true gradients
+        if observers.allow_update(loss, loop.step):
+            self.amp.step(optimizer)  # the pre_step specs, then the observers' before_update (statistics, clip)
+        if parts.scheduler is not None:
+            parts.scheduler.step()
+        self.hooks.set_step(loop.step + 1)  # the step the specs' schedules look at next, also after a skipped update
+        step, loop.step = loop.step, loop.step + 1
+        self.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
+        spike = self.log_step(step) if log_now else None
+        observers.end(step)
+        return taken, micro, spike
+
+    def log_step(self, step: int) -> Any:
+        """Every observer's values in one read-back, to the sinks; returns the spike this step starts, if any."""
+        metrics, histograms = split_histograms(self.observers.read())
+        now, loop = time.perf_counter(), self.loop
+        metrics.update(epoch=loop.epoch, **{"perf/step_time": (now - self.last_log_time) / max(
+            loop.step - loop.last_log_step, 1)})
+        self.sinks.log(metrics, step, histograms)
+        self.check_goal(metrics, step)
+        self.last_log_time, loop.last_log_step = now, loop.step
+        spike = self.observers.observe(metrics, step).get("spike")
+        if spike is not None:
+            log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps",
+                        spike.metric, step, spike.value, spike.median, self.spikes.steps)
+            self.sinks.spike(spike.row(self.period))
+        self.period = []
+        return spike
+
+    def check_goal(self, metrics: dict[str, Any], step: int) -> None:
+        goal = self.parts.goal
+        if goal is not None and goal.holds(metrics.get(goal.metric, math.nan)):
+            self.reached = step
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """The task's metrics over the validation set (summed over ranks), as ``val/<metric>``."""
+        parts = self.parts
+        batches = parts.loaders.validation()
+        if batches is None:
+            return {}
+        task, totals = parts.task, None
+        parts.model.eval()
+        try:
+            for batch in batches:
+                batch = to_device(batch, parts.device)
+                with self.amp.autocast():
+                    output = task.forward(self.forward, batch)
+                    loss = task.loss(output, batch)
+                sums, count = task.sums(output, batch, loss)
+                row = torch.cat([sums.double(), count.double().reshape(1)])
+                totals = row if totals is None else totals + row
+        finally:
+            parts.model.train()
+        if totals is None:
+            totals = torch.zeros(len(task.metric_names) + 1, dtype=torch.float64, device=parts.device)
+        *sums_host, count = parts.ranks.sum(totals).tolist()
+        means = {n: s / count if count else math.nan for n, s in zip(task.metric_names, sums_host, strict=True)}
+        return {f"val/{k}": v for k, v in task.finish(means).items()}
+
+    def evaluate(self) -> dict[str, float]:
+        """Validate after the last step's update and log it under that step."""
+        val = self.validate()
+        self.loop.evaluated = self.loop.step - 1
+        if val:
+            self.sinks.log({**val, "epoch": self.loop.epoch}, self.loop.step - 1)
+            self.check_goal(val, self.loop.step - 1)
+        return val
+
+    def maybe_checkpoint(self, taken: int, log_now: bool, spike: Any) -> bool:
+        """A checkpoint when one is due (every ``trainer.checkpoint_every`` steps, the last step, the step
+        ``stop_when`` held, a spike, a signal); returns whether a signal asks the run to stop. Under DDP the
+        ranks agree on log steps only, so no other step pays a collective."""
+        loop, ranks, every = self.loop, self.parts.ranks, self.cfg.trainer.checkpoint_every
+        stopping = self.ckpt.stop_requested if not ranks.enabled else (
+            log_now and ranks.any(self.ckpt.stop_requested, self.parts.device))
+        due = every and taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
+                                   or self.reached is not None)
+        if stopping or due or (spike is not None and self.spikes.checkpoint):
+            if self.ckpt.finite(self.parts.model):  # never a non-finite state: it would replace the last good one
+                self.ckpt.save(loop)
+            else:
+                self.guard.refuse_checkpoint(loop.step, self.ckpt.saved_step)
+        return bool(stopping)
+
+    @contextlib.contextmanager
+    def explaining(self) -> Any:
+        """torch's errors around the hooks (an in-place op next to a full backward hook, a transform that cut the
+        graph) as errors naming the spec."""
+        try:
+            yield
+        except RuntimeError as e:
+            better = self.hooks.explain(e)
+            if better is None:
+                raise
+            raise better from e
+
+    # -- files -----------------------------------------------------------------------------------------
+    def config_as_run(self) -> dict[str, Any]:
+        """The config with the model's arguments as built (``auto`` filled from the data)."""
+        return {**OmegaConf.to_container(self.cfg, resolve=True), "model": self.parts.model_config}  # type: ignore
+
+    def write_manifest(self, resumed: dict[str, Any] | None) -> None:
+        """manifest.json first (so that even a failed run says what it was)."""
+        manifest = {**build_manifest(self.config_as_run(), self.hooks.table(), self.cfg.seed, Path.cwd()),
+                    "world_size": self.parts.ranks.world_size}
+        if resumed is not None:
+            manifest["resumed_from_step"] = int(resumed["loop"]["step"])
+        write_json_atomic(self.run_dir / "manifest.json", manifest)
+
+    def make_sinks(self, resumed: dict[str, Any] | None) -> Any:
+        """The local files and W&B (rank 0); both record the config as run."""
+        if self.local is None:
+            return NullSinks()
+        cfg, table = self.cfg, self.hooks.table()
+        wandb_sink = None
+        if cfg.logger.backend == "wandb" and wandb_mode(cfg.logger) != "disabled":
+            tags = list(cfg.logger.tags) + [row["spec"] for row in table if row["enabled"]]
+            wandb_sink = WandbSink(self.run_dir, cfg.logger, self.config_as_run(), tags, table,
+                                   run_id=resumed.get("wandb_id") if resumed is not None else None)
+        return Sinks(self.local, wandb_sink)
+
+    def close(self, status: str) -> dict[str, Any]:
+        """One cleanup path, run with signals held (see Checkpointer.signals): records, files, plot, summary, W&B.
+
+        Each part runs even when one before it failed; the first failure is raised at the end unless an error
+        from the loop is already on its way."""
+        failures: list[BaseException] = []
+
+        def attempt(fn: Any, *args: Any) -> Any:
+            try:
+                return fn(*args)
+            except BaseException as e:
+                failures.append(e)
+                return None
+
+        parts, loop, run_dir = self.parts, self.loop, self.run_dir
+        self.observers.close()
+        attempt(self.records.save)
+        calls = {f"hook/{name}/calls": row["calls"] for name, row in self.hooks.stats(reset=False).items()}
+        self.hooks.remove()
+        if self.local is not None:
+            attempt(self.local.close)
+        if failures:  # the run's own files are incomplete: it did not finish, whatever the loop said
+            status = "failed"
+        summary = summarize(run_dir / "metrics.jsonl") if self.local is not None else {}
+        summary.update({
+            "status": status, "signal": self.ckpt.signum, "trainer/steps": loop.step, "trainer/epochs": loop.epoch,
+            "runtime_s": time.perf_counter() - self.started, "perf/train_loop_s": loop.train_s,
+            "run_dir": str(run_dir), **self.observers.summary(), **calls,
+        })
+        if status == "finished":
+            summary["trainer/stopped_by"] = parts.limit  # the limit that ended the run, e.g. trainer.max_steps=4000
+        if parts.ranks.enabled and status != "failed":
+            summary.update({"dist/world_size": parts.ranks.world_size, "dist/strategy": parts.ranks.strategy})
+            if not parts.ranks.sharded:  # replicas: they must hold the same parameters (FSDP's ranks hold shards)
+                summary["dist/params_in_sync"] = parts.ranks.params_in_sync(parts.model)
+        if self.local is not None:
+            plot = attempt(plot_grad_norms, self.local.metrics_path, run_dir / "plots" / "grad_norms.png")
+            if plot is not None and getattr(self.sinks, "wandb", None) is not None:
+                attempt(self.sinks.wandb.log_image, "plots/grad_norms", plot)
+        summary["signal"] = self.ckpt.signum  # also one that came during this shutdown (it did not cut it)
+        attempt(self.sinks.finish, summary, status == "failed")
+        attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier
+        if failures and sys.exc_info()[1] is None:
+            raise failures[0]
+        for e in failures:
+            log.warning("during shutdown: %s: %s", type(e).__name__, e)
+        return summary
+
+
+def summarize(metrics_path: Path) -> dict[str, Any]:
+    """Every key's last value in ``metrics.jsonl``, and ``val/<metric>_best`` (lowest for losses): the summary
+    always says what the file says, also after a resume."""
+    last: dict[str, Any] = {}
+    best: dict[str, float] = {}
+    if metrics_path.exists():
+        for line in metrics_path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            last.update(row)
+            for key, value in row.items():
+                if key.startswith("val/") and isinstance(value, (int, float)) and math.isfinite(value):
+                    lower = lower_is_better(key)
+                    if key not in best or (value < best[key] if lower else value > best[key]):
+                        best[key] = value
+    last.pop("trainer/step", None)
+    return {**last, **{f"{k}_best": v for k, v in best.items()}}

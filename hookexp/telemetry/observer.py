@@ -1,0 +1,141 @@
+"""The observer seam: what a training step shows the telemetry, and in what order.
+
+Everything that watches training — the statistics probes, what the hooks did, the task's metrics, the
+non-finite guard, the spike recorder, the gradient clip's norm — is an :class:`Observer`. The hookexp
+trainer, :func:`hookexp.watch` and the Lightning and HF callbacks all drive the same objects through one
+:class:`Observers`, so a new statistic is one new observer (one file), seen by all four.
+
+A step, as every driver runs it::
+
+    start(step, log)         before the forward: ``log`` says whether this step is a log step
+    allow_update(loss, step) the trainer only, before optimizer.step(): False skips the update (the guard)
+    before_update()          on the final gradients, right before the update (optimizer pre-hook, or by hand)
+    after_update()           right after the update (optimizer post-hook)
+    read()                   a log step: every observer's pending() in ONE device-to-host copy
+    observe(metrics, step)   a log step, after read(): what was logged (the spike recorder)
+    end(step)                after the step
+
+Observers hold device tensors between these calls and never sync the host off log steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hookexp.telemetry.readback import Pending, read
+
+
+class Observer:
+    """One thing a training step is observed by. Every method is optional: the defaults do nothing."""
+
+    def start(self, step: int, log: bool) -> None:
+        """Before step ``step``'s forward; ``log``: whether it is a log step."""
+
+    def allow_update(self, loss: torch.Tensor | None, step: int) -> bool:
+        """Before ``optimizer.step()`` (the trainer only): False skips this update."""
+        return True
+
+    def before_update(self) -> None:
+        """On the final gradients, right before the update."""
+
+    def after_update(self) -> None:
+        """Right after the update."""
+
+    def pending(self) -> Pending:
+        """A log step: this observer's values as a device tensor and the decoder of its host copy."""
+        return None, lambda host: {}
+
+    def observe(self, metrics: Mapping[str, Any], step: int) -> Any:
+        """A log step, after the read-back: what was logged."""
+        return None
+
+    def end(self, step: int) -> None:
+        """After step ``step``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a resumed run)."""
+
+    def summary(self) -> dict[str, Any]:
+        """Entries for the run's summary.json."""
+        return {}
+
+    def close(self) -> None:
+        """Remove every hook this observer holds."""
+
+
+class Observers:
+    """Drives named observers in order; see the module docstring.
+
+    With an ``optimizer``, :meth:`before_update` and :meth:`after_update` run from one step pre-hook and one
+    post-hook registered now (after the hook specs' own pre-hook, so the observers see the gradients after
+    the ``pre_step`` specs); ``before_hook=False`` leaves :meth:`before_update` to the driver, for loops whose
+    ``optimizer.step(closure)`` runs the backward after torch's pre-hooks (Lightning)."""
+
+    def __init__(self, observers: Mapping[str, Observer], optimizer: torch.optim.Optimizer | None = None,
+                 before_hook: bool = True):
+        self.named = dict(observers)
+        self.log = False  # whether the current step logs
+        self._handles: list[Any] = []
+        if optimizer is not None:
+            if before_hook:
+                self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_update()))
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_update()))
+
+    def __iter__(self) -> Any:
+        return iter(self.named.values())
+
+    def start(self, step: int, log: bool) -> None:
+        self.log = log
+        for o in self:
+            o.start(step, log)
+
+    def allow_update(self, loss: torch.Tensor | None, step: int) -> bool:
+        return all([o.allow_update(loss, step) for o in self])  # every observer sees the step
+
+    def before_update(self) -> None:
+        for o in self:
+            o.before_update()
+
+    def after_update(self) -> None:
+        for o in self:
+            o.after_update()
+
+    def read(self) -> dict[str, Any]:
+        """The log step: every observer's values in one read-back (``.../hist`` keys hold (counts, edges))."""
+        return read([o.pending() for o in self])
+
+    def observe(self, metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """Each observer's answer to the logged ``metrics`` that is not None, by name."""
+        answers = {name: o.observe(metrics, step) for name, o in self.named.items()}
+        return {name: a for name, a in answers.items() if a is not None}
+
+    def end(self, step: int) -> None:
+        for o in self:
+            o.end(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: state for name, o in self.named.items() if (state := o.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, o in self.named.items():
+            if name in state:
+                o.load_state_dict(state[name])
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for o in self:
+            out.update(o.summary())
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for o in self:
+            o.close()
