@@ -33,11 +33,11 @@ from hookexp.run import distributed
 from hookexp.run.build import MixedPrecision, Parts, build, pick_device
 from hookexp.run.checkpoint import Checkpointer, LoopState, require_writable
 from hookexp.run.loaders import to_device
-from hookexp.run.manifest import build_manifest
+from hookexp.run.manifest import run_config, write_manifest
 from hookexp.run.records import Records
 from hookexp.run.rundir import CLI, Launch
 from hookexp.run.telemetry import Telemetry
-from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, check_logger, wandb_mode, write_json_atomic
+from hookexp.sinks import LocalFiles, NullSinks, RunInfo, Sinks, check_logger, make_backend, write_json_atomic
 
 log = logging.getLogger("hookexp.train")
 
@@ -99,7 +99,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
             ckpt.track(scheduler=parts.scheduler, scaler=amp, hooks=hooks, telemetry=telemetry, files=local,
                        records=records)
             loop = ckpt.restore(resumed) if resumed is not None else LoopState()
-            sinks = make_sinks(cfg, run_dir, hooks, local, resumed, parts)
+            config = run_config(cfg, parts.model_config)
+            if main:
+                write_manifest(run_dir, config, hooks.table(), cfg.seed, parts.ranks.world_size,
+                               int(resumed["loop"]["step"]) if resumed is not None else None)
+            sinks = make_sinks(cfg, run_dir, config, hooks, local, resumed)
+            ckpt.track(sinks=sinks)  # after the restore: what the backends keep is read by make_sinks
             if main and hooks.table():
                 log.info("hooks:\n%s", hooks_summary(hooks.table()))
         except BaseException:
@@ -298,24 +303,18 @@ def save_checkpoint(ckpt: Checkpointer, loop: LoopState, model: torch.nn.Module,
     ckpt.save(loop)
 
 
-def make_sinks(cfg: DictConfig, run_dir: Path, hooks: HookHandle, local: LocalFiles | None,
-               resumed: dict[str, Any] | None, parts: Parts) -> Any:
-    """The manifest first (so that even a failed run says what it was), then the local files and W&B. Both record
-    the config as run: the model's arguments as built (``auto`` filled from the data)."""
+def make_sinks(cfg: DictConfig, run_dir: Path, config: dict[str, Any], hooks: HookHandle, local: LocalFiles | None,
+               resumed: dict[str, Any] | None) -> Sinks | NullSinks:
+    """The local files and the backend ``logger._target_`` names (rank 0; other ranks log nothing). A resumed run
+    hands each backend what it kept in the checkpoint (W&B: its run id)."""
     if local is None:
         return NullSinks()
-    config = {**OmegaConf.to_container(cfg, resolve=True), "model": parts.model_config}  # type: ignore[dict-item]
-    world_size = parts.ranks.world_size
-    manifest = {**build_manifest(config, hooks.table(), cfg.seed, Path.cwd()), "world_size": world_size}
-    if resumed is not None:
-        manifest["resumed_from_step"] = int(resumed["loop"]["step"])
-    write_json_atomic(run_dir / "manifest.json", manifest)
-    wandb_sink = None
-    if cfg.logger.backend == "wandb" and wandb_mode(cfg.logger) != "disabled":
-        tags = list(cfg.logger.tags) + [row["spec"] for row in hooks.table() if row["enabled"]]
-        wandb_sink = WandbSink(run_dir, cfg.logger, config, tags, hooks.table(),
-                               run_id=resumed.get("wandb_id") if resumed is not None else None)
-    return Sinks(local, wandb_sink)
+    target = cfg.logger.get("_target_")
+    kept = resumed.get("sinks", {}).get(target) if resumed is not None else None
+    run = RunInfo(run_dir, config, hooks.table(), int(resumed["loop"]["step"]) if resumed is not None else None,
+                  kept)
+    backend = make_backend(cfg.logger, run)
+    return Sinks(local, {target: backend} if backend is not None else None)
 
 
 def summarize(metrics_path: Path) -> dict[str, Any]:
@@ -375,8 +374,8 @@ def shut_down(cfg: DictConfig, run_dir: Path, status: str, loop: LoopState, part
             summary["dist/params_in_sync"] = parts.ranks.params_in_sync(parts.model)
     if local is not None:
         plot = attempt(plot_grad_norms, local.metrics_path, run_dir / "plots" / "grad_norms.png")
-        if plot is not None and getattr(sinks, "wandb", None) is not None:
-            attempt(sinks.wandb.log_image, "plots/grad_norms", plot)
+        if plot is not None:
+            attempt(sinks.image, "plots/grad_norms", plot, max(loop.step - 1, 0))
     summary["signal"] = ckpt.signum  # also one that came during this shutdown (it did not cut it)
     attempt(sinks.finish, summary, status == "failed")
     attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier (a rank may be gone)

@@ -59,3 +59,23 @@ def build_manifest(config: dict[str, Any], hooks_table: list[dict[str, Any]], se
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def run_config(cfg: Any, model_config: Any) -> dict[str, Any]:
+    """The config as run: ``cfg`` resolved, with the model's arguments as built (``auto`` filled from the data).
+    The manifest and the logger backends record it."""
+    from omegaconf import OmegaConf
+
+    return {**OmegaConf.to_container(cfg, resolve=True), "model": model_config}  # type: ignore[dict-item]
+
+
+def write_manifest(run_dir: Path, config: dict[str, Any], hooks_table: list[dict[str, Any]], seed: int,
+                   world_size: int, resumed_step: int | None = None) -> None:
+    """Write ``<run_dir>/manifest.json`` (atomically): :func:`build_manifest`, the world size and, for a resumed
+    run, ``resumed_from_step``. Written before training starts, so that even a failed run says what it was."""
+    from hookexp.sinks import write_json_atomic
+
+    manifest = {**build_manifest(config, hooks_table, seed, Path.cwd()), "world_size": world_size}
+    if resumed_step is not None:
+        manifest["resumed_from_step"] = resumed_step
+    write_json_atomic(run_dir / "manifest.json", manifest)
