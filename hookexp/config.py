@@ -91,7 +91,9 @@ class StatsConfig:
 
 @dataclass
 class LoggerConfig:
-    backend: str = "wandb"  # wandb | none (local files are always written)
+    # the backend (hookexp.sinks.Sink): hookexp.sinks.WandbSink | hookexp.sinks.TensorBoardSink | null (none);
+    # local files are always written. The keys below are W&B's; a backend gets those its constructor names.
+    _target_: Optional[str] = "hookexp.sinks.WandbSink"  # noqa: UP045
     mode: str = "offline"  # offline | online | disabled
     project: str = "hookexp"
     entity: Optional[str] = None  # noqa: UP045

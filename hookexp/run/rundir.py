@@ -24,7 +24,7 @@ from hookexp.errors import RunDirError
 
 # What a run writes: a directory holding any of these holds a run.
 RESULTS = ("metrics.jsonl", "histograms.jsonl", "spikes.jsonl", "summary.json", "manifest.json", "checkpoints",
-           "records", "wandb", "plots", "dry_run.json", "failure.json")
+           "records", "wandb", "tensorboard", "plots", "dry_run.json", "failure.json")
 # Config keys a resumed run may change: how long, where and how verbosely it runs, not what it computes.
 RESUMABLE_CHANGES = ("trainer.max_steps", "trainer.epochs", "trainer.progress", "trainer.checkpoint_every",
                      "trainer.device", "trainer.num_threads", "trainer.save_records", "data.num_workers",

@@ -35,7 +35,7 @@ from hookexp.run.manifest import build_manifest
 from hookexp.run.observers import trainer_observers
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
-from hookexp.sinks import LocalFiles, NullSinks, Sinks, WandbSink, wandb_mode, write_json_atomic
+from hookexp.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
 from hookexp.telemetry.readback import split_histograms
 
 log = logging.getLogger("hookexp.train")
@@ -71,6 +71,7 @@ class Trainer:
             if main:
                 self.write_manifest(resumed)
             self.sinks = self.make_sinks(resumed)
+            ckpt.track(sinks=self.sinks)  # after the restore: what the backends keep is read by make_sinks
             if main and self.hooks.table():
                 log.info("hooks:\n%s", hooks_summary(self.hooks.table()))
         except BaseException:
@@ -272,17 +273,17 @@ class Trainer:
             manifest["resumed_from_step"] = int(resumed["loop"]["step"])
         write_json_atomic(self.run_dir / "manifest.json", manifest)
 
-    def make_sinks(self, resumed: dict[str, Any] | None) -> Any:
-        """The local files and W&B (rank 0); both record the config as run."""
+    def make_sinks(self, resumed: dict[str, Any] | None) -> Sinks | NullSinks:
+        """The local files and the backend ``logger._target_`` names (rank 0; other ranks log nothing). A resumed
+        run hands each backend what it kept in the checkpoint (W&B: its run id)."""
         if self.local is None:
             return NullSinks()
-        cfg, table = self.cfg, self.hooks.table()
-        wandb_sink = None
-        if cfg.logger.backend == "wandb" and wandb_mode(cfg.logger) != "disabled":
-            tags = list(cfg.logger.tags) + [row["spec"] for row in table if row["enabled"]]
-            wandb_sink = WandbSink(self.run_dir, cfg.logger, self.config_as_run(), tags, table,
-                                   run_id=resumed.get("wandb_id") if resumed is not None else None)
-        return Sinks(self.local, wandb_sink)
+        target = self.cfg.logger.get("_target_")
+        kept = resumed.get("sinks", {}).get(target) if resumed is not None else None
+        run = RunInfo(self.run_dir, self.config_as_run(), self.hooks.table(),
+                      int(resumed["loop"]["step"]) if resumed is not None else None, kept)
+        backend = make_backend(self.cfg.logger, run)
+        return Sinks(self.local, {target: backend} if backend is not None else None)
 
     def close(self, status: str) -> dict[str, Any]:
         """One cleanup path, run with signals held (see Checkpointer.signals): records, files, plot, summary, W&B.
@@ -321,8 +322,8 @@ class Trainer:
                 summary["dist/params_in_sync"] = parts.ranks.params_in_sync(parts.model)
         if self.local is not None:
             plot = attempt(plot_grad_norms, self.local.metrics_path, run_dir / "plots" / "grad_norms.png")
-            if plot is not None and getattr(self.sinks, "wandb", None) is not None:
-                attempt(self.sinks.wandb.log_image, "plots/grad_norms", plot)
+            if plot is not None:
+                attempt(self.sinks.image, "plots/grad_norms", plot, max(loop.step - 1, 0))
         summary["signal"] = self.ckpt.signum  # also one that came during this shutdown (it did not cut it)
         attempt(self.sinks.finish, summary, status == "failed")
         attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier

@@ -1,0 +1,148 @@
+"""The logger backends behind hookexp.sinks.Sink (issue 26.4): TensorBoard's event files read back against the
+local files, a missing tensorboard package, an unknown ``logger._target_``, and a resumed W&B run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_jsonl
+
+from hookexp import ConfigError, MissingExtraError
+from hookexp.run import compose
+from hookexp.run import train as run_train
+from hookexp.run.rundir import results_in
+from hookexp.sinks import RunInfo, TensorBoardSink, check_logger
+
+MISSING = ("logger=tensorboard (hookexp.sinks.TensorBoardSink) needs tensorboard, which is not installed. Install the "
+           "extra: pip install 'hookexp[tensorboard]'")
+
+
+def number(value: float | str) -> float:
+    return float(value)  # metrics.jsonl writes NaN and Inf as "nan", "inf"
+
+
+def same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def test_tensorboard_holds_the_local_files_scalars_histograms_and_the_hooks_table(tmp_path: Path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.util import tensor_util
+
+    cfg = compose("logger=tensorboard", "hooks=clamp_conv", "trainer.max_steps=5", "stats.every=2",
+                  "stats.hist_bins=8", "trainer.eval_every=3", "trainer.progress=false")
+    run = tmp_path / "run"
+    run_train(cfg, run)
+    acc = ea.EventAccumulator(str(run / "tensorboard"), size_guidance={ea.TENSORS: 0, ea.HISTOGRAMS: 0, ea.IMAGES: 0})
+    acc.Reload()
+    tags = acc.Tags()
+
+    # every value of metrics.jsonl at its step, bit for bit (float64), and nothing else
+    expected = {(key, row["trainer/step"]): number(value) for row in read_jsonl(run / "metrics.jsonl")
+                for key, value in row.items() if key != "trainer/step"}
+    scalars = [t for t in tags["tensors"] if not t.endswith("/text_summary")]
+    found = {(tag, e.step): tensor_util.make_ndarray(e.tensor_proto).item() for tag in scalars
+             for e in acc.Tensors(tag)}
+    assert {k for k, _ in expected} >= {"train/loss", "val/loss", "grad/conv1.weight/norm", "hook/clamp_conv/calls"}
+    assert found.keys() == expected.keys()
+    assert all(same(found[k], expected[k]) for k in expected), [k for k in expected if not same(found[k], expected[k])]
+
+    # the histograms of histograms.jsonl: its edges as the bucket limits, its counts after an empty first bucket
+    hist_rows = read_jsonl(run / "histograms.jsonl")
+    assert [r["trainer/step"] for r in hist_rows] == [0, 2, 4]
+    assert sorted(tags["histograms"]) == sorted(k for k in hist_rows[0] if k != "trainer/step")
+    for tag in tags["histograms"]:
+        events = acc.Histograms(tag)
+        assert [e.step for e in events] == [0, 2, 4]
+        for event, row in zip(events, hist_rows, strict=True):
+            h = event.histogram_value
+            assert list(h.bucket_limit) == row[tag]["bins"] and list(h.bucket) == [0.0, *row[tag]["values"]]
+            assert h.num == sum(row[tag]["values"]) and (h.min, h.max) == (row[tag]["bins"][0], row[tag]["bins"][-1])
+
+    # the hooks table and the config as text, the plot as an image
+    (hooks,) = acc.Tensors("hooks/text_summary")
+    text = hooks.tensor_proto.string_val[0].decode()
+    assert text.splitlines()[0] == "| spec | kind | transform | args | enabled | targets |"
+    assert text.splitlines()[2] == ('| clamp_conv | output_grad | clamp | {"min": -1e-05, "max": 1e-05} | True | '
+                                    'conv1, conv2 |')
+    config = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert json.loads(config)["logger"]["_target_"] == "hookexp.sinks.TensorBoardSink"
+    (image,) = acc.Images("plots/grad_norms")
+    assert image.step == 4 and image.width > 100 and image.height > 100
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+    assert not (run / "wandb").exists()
+    (tmp_path / "only_events").mkdir()
+    (run / "tensorboard").rename(tmp_path / "only_events" / "tensorboard")  # event files alone mark a run too
+    assert results_in(tmp_path / "only_events") == ["tensorboard"]  # (+overwrite=true deletes them)
+
+
+def test_a_missing_tensorboard_package_names_the_extra_before_the_run_starts(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    cfg = compose("logger=tensorboard", "trainer.max_steps=2", "trainer.progress=false")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as Python marks a package that failed to import
+    with pytest.raises(MissingExtraError) as e:
+        check_logger(cfg.logger)
+    assert e.value.extra == "tensorboard" and str(e.value).startswith(MISSING)
+    with pytest.raises(MissingExtraError, match=r"^logger=tensorboard .* pip install 'hookexp\[tensorboard\]'"):
+        run_train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written
+    with pytest.raises(MissingExtraError, match=r"^logger=tensorboard "):
+        TensorBoardSink(RunInfo(tmp_path))
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_an_unknown_logger_target_is_refused_naming_the_key():
+    cfg = compose("logger._target_=hookexp.sinks.Tensorboard")
+    with pytest.raises(ConfigError) as e:
+        check_logger(cfg.logger)
+    assert e.value.key == "logger._target_"
+    assert str(e.value).startswith("logger._target_: cannot import the logger backend 'hookexp.sinks.Tensorboard' (")
+    assert str(e.value).endswith("Use logger=wandb, logger=tensorboard or logger=none, or the import path of a class "
+                                 "that implements hookexp.sinks.Sink (local files are always written).")
+
+
+def wandb_runs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+def wandb_rows(run: Path) -> list[dict]:
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(run)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return [r["history"]["item"] for r in rows if r.get("type") == "history"]
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_row(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    """The checkpoint keeps the W&B run id (the sinks' resume state); the resumed run logs into the same W&B run.
+    A log step's histograms and scalars are one W&B history row, as they are one step of the local files."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def cfg(steps: int):
+        return compose("logger=wandb", f"trainer.max_steps={steps}", "trainer.checkpoint_every=2", "stats.every=1",
+                       "stats.hist_bins=4", "trainer.eval_every=0", "trainer.progress=false")
+
+    run = tmp_path / "run"
+    run_train(cfg(2), run)
+    (first,) = wandb_runs(run)
+    kept = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["sinks"]
+    assert kept == {"hookexp.sinks.WandbSink": {"id": first.name.rsplit("-", 1)[1]}}
+    history = [r for r in wandb_rows(first) if "plots/grad_norms._type" not in r]
+    local = read_jsonl(run / "metrics.jsonl")
+    assert [r["trainer/step"] for r in history] == [r["trainer/step"] for r in local] == [0, 1, 1]  # the last: val
+    assert [(r.get("grad/conv1.weight/hist._type"), "train/loss" in r) for r in history] == [
+        ("histogram", True), ("histogram", True), (None, False)]
+
+    run_train(cfg(4), run, resume=True)
+    second = [p for p in wandb_runs(run) if p != first]
+    assert [p.name.rsplit("-", 1)[1] for p in second] == [first.name.rsplit("-", 1)[1]]  # the same W&B run id
+    steps = [r["trainer/step"] for r in wandb_rows(second[0]) if "plots/grad_norms._type" not in r]
+    assert steps == [2, 3, 3]
