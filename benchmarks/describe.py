@@ -9,7 +9,8 @@ the same call costs several times less: what a log step pays is the cold cache a
 this is the number that compares with the trainer's. One variant is left, ``telemetry``
 (hookexp.telemetry.stats, the one statistics path, in torch ops; ``variants`` is where another would go,
 to run in alternating rounds with it in one process). numba's kernels and the old torch rows
-(``hookexp.stats``, ``hookexp.fused``) that it was compared with are gone; their figures stay in README.md.
+(``hookexp.stats``, ``hookexp.fused``) that it was compared with are gone;
+their figures are in benchmarks/README.md's git history.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/log_step.py --models deep_mlp --every 10 --runs 5
 
 `overhead.py` compares separate runs; on a 2-core VM their speed differs by far more than the statistics
-cost (see README.md). Here the trainer runs with ``stats.every=N`` and every step is timed where it ends;
+cost (see benchmarks/README.md). Here the trainer runs with ``stats.every=N`` and every step is timed where it ends;
 a log step's extra time is the median log step less the median of the other steps of the same run. With
 ``--every 2`` every other step logs, so ``log / other`` approximates case c's c/b without comparing two
 runs (the step after a log step, in the denominator, pays a little of the log step's cold cache too).

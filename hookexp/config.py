@@ -4,7 +4,7 @@
 ``trainer.epoch=3`` (a misspelled key) or ``trainer.epochs=abc`` (a wrong type) fail before anything
 runs, with Hydra's message naming the key. ``model``, ``optim`` and ``data.dataset`` are ``_target_``
 mappings for ``hydra.utils.instantiate``; their arguments are checked when instantiated, and a wrong
-one is reported by :mod:`hookexp.train` with the constructor's real parameters.
+one is reported by :func:`hookexp.run.build.instantiate` with the constructor's real parameters.
 """
 
 from __future__ import annotations

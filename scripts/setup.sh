@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set-up for the quick start: a virtual environment in .venv with hookexp installed (editable) and the package
-# extras named in $1 (comma-separated, e.g. dev,sweeps,hf,lightning; none: what the main job needs).
+# extras named in $1 (comma-separated, e.g. dev,sweeps,hf,lightning,docs; none: what the main job needs).
 # ./scripts/run.sh installs no extra, ./scripts/test.sh every one the tests use. Runs when pyproject.toml changed
 # or an extra asked for is not installed yet; the stamp .venv/.hookexp-setup holds the pyproject.toml hash and
 # the extras installed with it ("<hash> dev,hf,..."), so the run command after the test command installs nothing.

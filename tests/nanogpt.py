@@ -1,6 +1,6 @@
 """A nanoGPT-style model (after Karpathy's nanoGPT ``model.py``, MIT): ``GPT(config)`` whose
 ``forward(idx, targets=None)`` returns ``(logits, loss)`` and, without targets, the logits of the last position
-only. README's recipe "A model that computes its own loss" trains it from the CLI as it is; :class:`Adapter`
+only. docs/models.md's recipe "A model that computes its own loss" trains it from the CLI as it is; :class:`Adapter`
 is what a user had to write before (the whole logits, for ``task=causal_lm``), the reference of the test.
 """
 

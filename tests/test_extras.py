@@ -18,7 +18,7 @@ from hookexp import ConfigError, HookexpError, MissingExtraError
 
 ROOT = Path(__file__).parents[1]
 EVERY_EXTRA = ("transformers", "datasets", "accelerate", "lightning", "optuna", "hydra_plugins", "submitit",
-               "sqlalchemy", "pytest", "ruff", "torchvision", "tensorboard")
+               "sqlalchemy", "pytest", "ruff", "torchvision")
 INSTALL = "(in a clone: .venv/bin/pip install -e '.[{0}]'; ./scripts/test.sh installs every extra)."
 
 
@@ -105,7 +105,7 @@ def test_the_run_command_installs_no_extra_and_the_test_command_every_one_once(t
     for script in extras:
         line = next(x for x in (ROOT / f"scripts/{script}.sh").read_text().splitlines() if "scripts/setup.sh" in x)
         extras[script] = line.split("#")[0].split("setup.sh\"")[1].strip()
-    assert extras == {"run": "", "test": "dev,sweeps,hf,lightning,mup,tensorboard"}
+    assert extras == {"run": "", "test": "dev,sweeps,hf,lightning,mup,tensorboard,docs"}
 
     def setup(script: str) -> list[str]:
         calls.unlink(missing_ok=True)
@@ -120,9 +120,9 @@ def test_the_run_command_installs_no_extra_and_the_test_command_every_one_once(t
     assert setup("run") == [base]  # a fresh clone: the main job's packages only
     assert stamp.read_text() == f"{want} \n"
     assert setup("run") == []
-    assert setup("test") == [f"{base}[dev,hf,lightning,sweeps,tensorboard]", mup]
-    assert stamp.read_text() == f"{want} dev,hf,lightning,mup,sweeps,tensorboard\n"
+    assert setup("test") == [f"{base}[dev,docs,hf,lightning,sweeps,tensorboard]", mup]
+    assert stamp.read_text() == f"{want} dev,docs,hf,lightning,mup,sweeps,tensorboard\n"
     assert setup("test") == [] and setup("run") == []  # the run command after the test command: nothing
-    stamp.write_text(f"{'0' * 16} dev,hf,lightning,mup,sweeps,tensorboard\n")  # pyproject.toml changed since
+    stamp.write_text(f"{'0' * 16} dev,docs,hf,lightning,mup,sweeps,tensorboard\n")  # pyproject.toml changed since
     assert setup("run") == [base]
-    assert setup("test") == [f"{base}[dev,hf,lightning,sweeps,tensorboard]", mup]
+    assert setup("test") == [f"{base}[dev,docs,hf,lightning,sweeps,tensorboard]", mup]

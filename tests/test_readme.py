@@ -1,34 +1,22 @@
-"""README.md's "Your own model, data and loss": its files written as shown, its commands run as shown."""
+"""The README's quick start and the recipes of docs/models.md ("Your own model, data and loss", "A model that
+computes its own loss"): their files written as shown, their commands run as shown. Every other shell command
+of README.md and docs/ is run by tests/test_docs.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from docblocks import DOCS, README, blocks, run, section, user_env
 
-README = Path(__file__).parents[1] / "README.md"
-BIN = Path(sys.executable).parent
-
-
-def section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
-
-
-def blocks(text: str) -> list[tuple[str, str]]:
-    return re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S)
+MODELS = DOCS / "models.md"
 
 
 def test_your_own_model_data_and_loss_runs_as_the_readme_shows(tmp_path: Path):
-    text = section("Your own model, data and loss")
+    text = section(MODELS, "Your own model, data and loss")
     files = {body.splitlines()[0][2:].strip(): body for lang, body in blocks(text)
              if lang in ("python", "yaml") and body.startswith("# ")}
     assert set(files) == {"mynet.py", "myconf/model/mynet.yaml", "myconf/data/blobs.yaml", "myconf/task/focal.yaml",
@@ -38,14 +26,11 @@ def test_your_own_model_data_and_loss_runs_as_the_readme_shows(tmp_path: Path):
         (tmp_path / name).write_text(body)
     commands = [line for lang, body in blocks(text) if lang == "bash" for line in body.splitlines() if line]
     assert len(commands) == 3
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_MODE")}  # found from the cwd
-    env.update(WANDB_SILENT="true", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")  # hookexp, python: the venv's
+    env = user_env()  # hookexp, python: the venv's; mynet found from the cwd
     for command in commands:
         args = shlex.split(command)
         assert args[0] in ("hookexp", "python")
-        # run by bash as a user pastes it: an unquoted {a,b} argument would be split by brace expansion
-        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+        done = run(command, tmp_path, env)  # by bash as a user pastes it
         assert done.returncode == 0, (command, done.stderr[-3000:])
         if args[0] == "python":
             assert float(done.stdout.split()[-1]) > 0.9
@@ -64,7 +49,7 @@ def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path:
 
     from hookexp.run.loop import train
 
-    text = section("A model that computes its own loss")
+    text = section(MODELS, "A model that computes its own loss")
     files = {body.splitlines()[0][2:].strip(): body for lang, body in blocks(text) if lang == "yaml"}
     assert set(files) == {"myconf/model/nanogpt.yaml"}
     (tmp_path / "myconf" / "model").mkdir(parents=True)
@@ -75,10 +60,7 @@ def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path:
     small = ["model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=32", "data.block_size=17",
              "data.batch_size=8", "trainer.max_steps=6", "stats.every=2", "logger=none", "trainer.progress=false",
              "hydra.run.dir=run"]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_MODE")}  # found from the cwd
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    done = subprocess.run(["bash", "-c", f"{command} {shlex.join(small)}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run(f"{command} {shlex.join(small)}", tmp_path, user_env())  # model.py found from the cwd
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
 
@@ -103,13 +85,10 @@ def test_the_quick_start_gives_the_figure_the_readme_quotes(tmp_path: Path):
     """Issue 27.3: the README said val/acc "about 0.96" where the quick start gives 0.94. The command and the
     figure are read from the README, the command is run as it stands there, and the figure must be its result
     to the digits quoted."""
-    text = section("Quick start")
+    text = section(README, "Quick start")
     command = re.search(r"Command 1 is `(python -m hookexp [^`]*)`", text).group(1)
     figure = re.search(r"val/acc about (\d+\.(\d+))", text)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_MODE")}
-    env.update(WANDB_SILENT="true", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")  # python: the venv's
-    done = subprocess.run(["bash", "-c", f"{command} trainer.progress=false"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run(f"{command} trainer.progress=false", tmp_path, user_env())  # python: the venv's
     assert done.returncode == 0, done.stderr[-3000:]
     (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("outputs/**/summary.json")]
     assert summary["status"] == "finished"

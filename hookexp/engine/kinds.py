@@ -8,7 +8,7 @@ and error messages live in the binding, once for all kinds. ``check`` functions 
 is attached, a kind that cannot work on a target. Every error raised inside a hook that is not already
 hookexp's becomes a :class:`~hookexp.errors.HookRuntimeError` naming the spec.
 
-The semantics are torch 2.x's own (see DESIGN.md, "Hook kinds"); the tests compare every kind with
+The semantics are torch 2.x's own (see docs/hooks.md, "Kinds"); the tests compare every kind with
 the same hook written by hand.
 """
 
