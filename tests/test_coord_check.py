@@ -219,6 +219,7 @@ def test_the_preset_runs_sp_and_mup_at_tiny_widths_and_reports_their_slopes(tmp_
 
 
 @needs_mup
+@pytest.mark.slow  # a width sweep; ./scripts/test.sh -m slow
 def test_the_preset_runs_the_gpt_in_mup(tmp_path):
     out = run_cli(["experiment=coord_check", "model=gpt", "data=modular_addition", "data.p=7",
                    "+parametrization=mup", "model.d_model=16", "model.base_width=8", "trainer.max_steps=2",

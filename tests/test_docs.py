@@ -79,7 +79,11 @@ def test_each_command_is_run_once():
     assert len(runs) == len(set(runs)) and len(runs) >= 30
 
 
-@pytest.mark.parametrize("path", [p for p, blocks in owned().items() if any(mine for _, mine in blocks)],
+HEAVY = {"sweeps.md", "training.md", "README.md"}  # sweeps and full runs: the slow set (./scripts/test.sh -m slow)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in HEAVY else [])
+                                  for p, blocks in owned().items() if any(mine for _, mine in blocks)],
                          ids=lambda p: p.name)
 def test_every_shell_command_of_the_page_runs(path: Path, tmp_path: Path):
     shutil.copy(README, tmp_path / "README.md")

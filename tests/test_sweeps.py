@@ -23,6 +23,7 @@ def without_timing(path: Path) -> list[str]:
     return [re.sub(r',\s*"perf/[^"]+":\s*[^,}]+', "", line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow
 def test_same_config_and_seed_give_identical_metrics(workdir):
     for name in ("a", "b"):
         done = run_cli(["hooks=[clamp_conv,grad_noise]", "repro.deterministic=true", *FAST,
@@ -84,6 +85,7 @@ def test_a_failing_job_does_not_lose_the_others(workdir):
     assert len(groups) == 1 and len(left_out) == 1 and "ValueError: boom" in left_out[0].error
 
 
+@pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow
 def test_ablate_runs_leave_one_out_and_reports(workdir):
     import subprocess
 
@@ -110,6 +112,7 @@ def test_ablate_rejects_an_unknown_spec(workdir):
 
 
 @pytest.mark.skipif(not has_module("hydra_plugins.hydra_optuna_sweeper"), reason="extra .[sweeps] not installed")
+@pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow
 def test_optuna_sweep_of_four_trials(workdir):
     done = run_cli(["-m", "sweep=optuna_lr", "hydra.sweeper.n_trials=4", "trainer.max_steps=10", "logger=none",
                     "hydra.sweep.dir=opt"], workdir)
@@ -121,6 +124,7 @@ def test_optuna_sweep_of_four_trials(workdir):
 
 
 @pytest.mark.skipif(not has_module("hydra_plugins.hydra_joblib_launcher"), reason="extra .[sweeps] not installed")
+@pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow
 def test_joblib_launcher_runs_two_jobs_with_wandb_offline(workdir):
     from conftest import wandb_summary
 
@@ -143,6 +147,7 @@ def test_slurm_launcher_config_composes():
     assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min == 120
 
 
+@pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow
 def test_the_command_a_wandb_agent_builds_runs(workdir):
     from wandb.sdk.launch.sweeps import utils as sweep_utils
 

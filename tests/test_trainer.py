@@ -224,6 +224,7 @@ def test_fp16_grad_scaler_pre_step_and_statistics_see_unscaled_gradients(tmp_pat
     assert torch.allclose(fp16, fp32, rtol=2e-2, atol=1e-4)  # not multiplied by the scale (65536)
 
 
+@pytest.mark.slow  # torch.compile; ./scripts/test.sh -m slow
 def test_compiled_and_eager_runs_log_the_same_statistics_every_log_step(tmp_path: Path):
     """The probes are attached before compiling: activation statistics do not vanish after step 0 under compile."""
     common = ["hooks=clamp_conv", "trainer.max_steps=7", "stats.every=3", "stats.activations=relu*"]
