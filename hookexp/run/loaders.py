@@ -242,7 +242,7 @@ def make_loaders(data: DictConfig, seed: int, ranks: Dist, device: torch.device,
     """Build the data sets (``data.dataset``), normalise them (:func:`hookexp.data.as_splits`) and the collate
     function, checked before anything loads."""
     from hookexp.data import as_splits
-    from hookexp.run.build import drop_inherited, instantiate
+    from hookexp.run.instantiate import drop_inherited, instantiate
 
     check_data_config(data)
     made = instantiate(drop_inherited(data.dataset, "data.dataset", overrides), "data.dataset")
