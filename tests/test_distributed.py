@@ -84,7 +84,7 @@ def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(work
     train_set = parts.loaders.train
     local_grads = []
     for rank in (0, 1):  # each rank's first batch: its share of the epoch's permutation
-        sampler = EpochSampler(len(train_set), shuffle=True, seed=cfg.seed, rank=rank, world_size=2, drop_last=True)
+        sampler = EpochSampler(len(train_set), seed=cfg.seed, train=True, rank=rank, world_size=2)
         x, y = train_set.__getitems__(list(sampler)[:cfg.data.batch_size])
         parts.model.zero_grad()
         F.cross_entropy(parts.model(x), y).backward()

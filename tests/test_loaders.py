@@ -15,7 +15,7 @@ from hookexp.run.loaders import EpochSampler, Loaders, check_data_config, to_dev
 
 
 def test_an_epoch_is_torch_randperm_seeded_with_seed_plus_epoch():
-    sampler = EpochSampler(10, shuffle=True, seed=3)
+    sampler = EpochSampler(10, seed=3, train=True)
     sampler.set_epoch(2)
     assert list(sampler) == torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
     sampler.set_epoch(2, start=4)
@@ -27,11 +27,11 @@ def test_ranks_take_equal_disjoint_shares_and_validation_sees_every_example_once
     perm = torch.randperm(11, generator=torch.Generator().manual_seed(0)).tolist()
     shares = []
     for rank in range(3):
-        s = EpochSampler(11, shuffle=True, seed=0, rank=rank, world_size=3, drop_last=True)
+        s = EpochSampler(11, seed=0, train=True, rank=rank, world_size=3)
         shares.append(list(s))
         assert len(s) == len(shares[-1]) == 3
     assert sorted(i for share in shares for i in share) == sorted(perm[:9])  # trimmed to a multiple of the world size
-    val = [list(EpochSampler(11, shuffle=False, seed=0, rank=r, world_size=3)) for r in range(3)]
+    val = [list(EpochSampler(11, seed=0, train=False, rank=r, world_size=3)) for r in range(3)]
     assert sorted(i for v in val for i in v) == list(range(11)) and [len(v) for v in val] == [4, 4, 3]
 
 

@@ -266,8 +266,8 @@ class Checkpointer:
     otherwise one file, written by rank 0.
     """
 
-    def __init__(self, run_dir: Path, config: Mapping[str, Any], resume: Any = None, *, main: bool = True,
-                 ranks: Dist | None = None, launch: Launch = CLI):
+    def __init__(self, run_dir: Path, config: Mapping[str, Any], resume: Any = None, *, ranks: Dist | None = None,
+                 launch: Launch = CLI):
         self.launch = launch  # how the run was started: its errors name their fixes so
         self.ranks = ranks or Dist()
         self.sharded = self.ranks.sharded
@@ -276,7 +276,7 @@ class Checkpointer:
         self.name, self.previous_name = ("last", "previous") if self.sharded else ("last.pt", "previous.pt")
         self.path = self.dir / self.name
         self.config = config
-        self.main = main and self.ranks.is_main
+        self.main = self.ranks.is_main  # only rank 0 writes the files of a one-file checkpoint
         self.source = self._resolve(resume)
         self.objects: dict[str, Stateful | None] = {}
         self.signum: int | None = None

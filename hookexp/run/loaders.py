@@ -38,14 +38,15 @@ COMMON_KEYS = ("batch_size", "eval_batch_size", "num_workers", "val_fraction", "
 class EpochSampler(Sampler[int]):
     """The indices of one epoch for one rank, from position ``start``: the same for the same (seed, epoch).
 
-    Training (``drop_last``) trims the permutation to a multiple of the world size so that every rank takes
-    the same number of steps; validation keeps every index (ranks take ``rank::world_size``, no duplicates).
+    Training (``train``) shuffles and trims the permutation to a multiple of the world size so that every rank
+    takes the same number of steps; validation keeps every index in order (ranks take ``rank::world_size``, no
+    duplicates).
     """
 
-    def __init__(self, size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1,
-                 drop_last: bool = False):
-        self.size, self.shuffle, self.seed = size, shuffle, seed
-        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+    def __init__(self, size: int, seed: int, train: bool, rank: int = 0, world_size: int = 1):
+        self.size, self.seed = size, seed
+        self.shuffle = self.drop_last = train
+        self.rank, self.world_size = rank, world_size
         self.epoch = self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -165,8 +166,7 @@ class Loaders:
         return total, limit
 
     def _sampler(self, epoch: int, start: int = 0) -> EpochSampler:
-        sampler = EpochSampler(len(self.train), True, self.seed, self.ranks.rank, self.ranks.world_size,  # type: ignore[arg-type]
-                               drop_last=True)
+        sampler = EpochSampler(len(self.train), self.seed, True, self.ranks.rank, self.ranks.world_size)  # type: ignore[arg-type]
         sampler.set_epoch(epoch, start)
         return sampler
 
@@ -186,7 +186,7 @@ class Loaders:
             return None
         sampler = None
         if not isinstance(self.val, IterableDataset):
-            sampler = EpochSampler(len(self.val), False, self.seed, self.ranks.rank, self.ranks.world_size)  # type: ignore[arg-type]
+            sampler = EpochSampler(len(self.val), self.seed, False, self.ranks.rank, self.ranks.world_size)  # type: ignore[arg-type]
         return iter(self._loader(self.val, self.eval_batch_size, sampler, self.seed))
 
 

@@ -41,8 +41,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
     with distributed.released_on_error(ranks):  # a failure before training leaves no process group behind
         device = ranks.place(device)
         run_dir = ranks.broadcast(run_dir)  # rank 0's (each rank's Hydra may have named its own timestamped one)
-        ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, main=ranks.is_main,
-                            ranks=ranks, launch=launch)
+        ckpt = Checkpointer(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.resume, ranks=ranks,
+                            launch=launch)
         resumed = ckpt.load()  # a bad checkpoint fails before anything is built or written
         if ranks.is_main:
             require_writable(run_dir)
