@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from hookexp import HookCompatibilityError, HookRuntimeError, HookWarning, TransformOutputError, attach
-from hookexp.engine import SpecBinding
+from hookexp.engine import SpecBinding, output_hooks
+from hookexp.errors import ConfigError
 from hookexp.models import SmallCNN
 
 
@@ -333,20 +334,61 @@ def test_a_context_is_built_only_for_transforms_that_read_it():
 # -- probes, callables, explain, state ----------------------------------------------------------------------
 
 
-def test_probe_handles_act_only_while_measuring_and_stay_out_of_stats_and_tables(monkeypatch):
+def test_output_hooks_act_only_while_on_and_stay_out_of_stats_and_tables(monkeypatch):
+    """What telemetry's probes use instead of a spec: plain forward hooks, switched on and off by their owner,
+    in the spec's phase (train), that a handle on the same model neither counts, measures nor lists."""
     measured = count_measures(monkeypatch)
     seen = []
-    model, x = nn.Linear(3, 2), torch.randn(4, 3)
-    with attach(model, {"p": {"target": "", "kind": "forward", "transform": lambda t: seen.append(t.shape) or t}},
-                probe=True, measure=False) as probe:
+    model, x = nn.Sequential(nn.Linear(3, 2), nn.ReLU()), torch.randn(4, 3)
+    spec = {"c": {"target": "0", "kind": "forward", "transform": "clamp", "args": {"min": 0.0}}}
+    with attach(model, spec, measure=False) as hooks:
+        probe = output_hooks(model, "0", lambda name, out: seen.append((name, out.shape)), key="stats.activations",
+                             on=False)
         model(x)
         assert seen == []
-        probe.measuring = True
+        probe.on = True
         model(x)
-        probe.measuring = False
+        model.eval()
+        model(x)  # eval mode: not the train phase
+        model.train()
+        probe.on = False
         model(x)
-        assert seen == [torch.Size([4, 2])]
-        assert probe.stats() == {} and probe.table() == [] and measured == []
+        assert seen == [("0", torch.Size([4, 2]))] and probe.names == ["0"]
+        assert [r["spec"] for r in hooks.table()] == ["c"] and measured == []
+        assert list(hooks.stats()) == ["c"] and hooks.stats()["c"]["calls"] == 3
+        probe.on = True
+        probe.remove()
+        model(x)
+        assert len(seen) == 1
+    with pytest.raises(ConfigError, match=r"stats\.activations.*blocks"):
+        output_hooks(model, "blocks", lambda name, out: None, key="stats.activations")
+    with pytest.raises(HookCompatibilityError, match="already compiled"):
+        output_hooks(torch.compile(model), "0", lambda name, out: None, key="stats.activations")
+
+
+def test_output_hooks_switch_under_torch_compile_without_recompiling():
+    """Attached before compiling, the hooks run eagerly under torch.compile: they see each call made while on,
+    and switching them costs no new graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs, seen = [], []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
+    probe = output_hooks(model, "1", lambda name, out: seen.append(out.detach().clone()), key="k")
+    compiled = torch.compile(model, backend=backend)
+    compiled(x)
+    first = len(graphs)
+    for on in (False, True, False, True):
+        probe.on = on
+        out = compiled(x)
+    assert len(graphs) == first and len(seen) == 3
+    assert torch.equal(seen[-1], torch.tanh(model[0](x))) and torch.equal(out, model(x))
+    probe.remove()
 
 
 def test_plain_callables_and_transform_objects():
@@ -425,3 +467,30 @@ def test_measured_effects_against_a_hand_computation():
                                                                           eps=1e-12).item(), abs=1e-6)
         assert changed == (x != y).sum().item()
     assert rows[2, 1] == 0.0  # a zero tensor has cosine 0 with anything
+
+
+def test_the_engine_modules_import_one_another_without_a_circle():
+    """Every import between hookexp/engine modules (top level, TYPE_CHECKING and inside functions) forms no
+    circle: binding <- kinds <- handle, patterns below targets and aliases."""
+    import ast
+    from pathlib import Path
+
+    import hookexp.engine
+
+    root = Path(hookexp.engine.__file__).parent
+    mods = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "hookexp.engine":
+                deps |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hookexp.engine."):
+                deps.add(node.module.split(".")[2])
+        graph[name] = deps - {name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in graph[start])
+
+    assert [m for m in sorted(mods) if reaches(m, m, set())] == []
+    assert "kinds" not in graph["binding"] and "targets" not in graph["aliases"]

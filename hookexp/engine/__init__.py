@@ -4,7 +4,8 @@ Other layers (the trainer, telemetry, integrations) use the engine only through 
 Importing this package imports no torch (its names load on first use), so that the torch-free schema
 (:mod:`hookexp.engine.schema`) serves the CLI's help and the Hydra schema.
 
-    attach(model, specs, optimizer=None, *, measure="read", probe=False) -> HookHandle
+    attach(model, specs, optimizer=None, *, measure="read") -> HookHandle
+    output_hooks(model, pattern, fn, *, key, phase="train", on=True) -> OutputHooks   (instruments: no spec)
     validate(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
     match(model, pattern, on="module" | "parameter", key="stats.grads") -> [(name, module or parameter)]
     register_transform / register_transform_alias / register_kind / register_aliases (decorators/functions)
@@ -20,6 +21,7 @@ _EXPORTS = {
     "attach": "handle", "HookHandle": "handle", "explain_torch_error": "handle",
     "SpecBinding": "binding", "Site": "binding",
     "validate": "validate", "ValidationReport": "validate",
+    "output_hooks": "observe", "OutputHooks": "observe",
     "match": "targets", "Target": "targets", "resolve": "targets",
     "register_aliases": "aliases", "ALIASES": "aliases",
     "register_kind": "kinds", "KINDS": "kinds",
@@ -37,6 +39,7 @@ __all__ = [
     "HookContext",
     "HookHandle",
     "HookSpec",
+    "OutputHooks",
     "Record",
     "Site",
     "SpecBinding",
@@ -46,6 +49,7 @@ __all__ = [
     "attach",
     "explain_torch_error",
     "match",
+    "output_hooks",
     "parse_specs",
     "register_aliases",
     "register_kind",
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
     from hookexp.engine.binding import Site, SpecBinding
     from hookexp.engine.handle import HookHandle, attach, explain_torch_error
     from hookexp.engine.kinds import KINDS, register_kind
+    from hookexp.engine.observe import OutputHooks, output_hooks
     from hookexp.engine.schema import KIND_DOCS, HookSpec
     from hookexp.engine.specs import parse_specs
     from hookexp.engine.targets import Target, match, resolve

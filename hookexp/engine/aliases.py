@@ -21,6 +21,7 @@ from typing import Literal
 
 from torch import nn
 
+from hookexp.engine.patterns import compile_pattern
 from hookexp.engine.schema import ALIAS_NAMES
 from hookexp.errors import RegistryError, did_you_mean
 
@@ -170,8 +171,6 @@ def alias_hint(model: nn.Module, target: str, on: Literal["module", "parameter"]
     sentence naming the alias, what it became here and, for an exact name, the same module here. Else ``""``."""
     if on != "module" or target.startswith("@"):
         return ""
-    from hookexp.engine.targets import compile_pattern
-
     exact = not target.startswith("re:") and not any(c in target for c in "*?[")
     pattern = compile_pattern(target)
 

@@ -1,33 +1,68 @@
 """The per-call path: one spec bound to its transform and targets, and the code every torch hook runs.
 
-A :class:`SpecBinding` holds a spec's transform, its schedule state and counters; a :class:`Site` is one
-target of it, the object a torch hook closes over (never the module or a tensor). The path a hook call
-takes is kept short because it runs on every forward/backward of every hooked module: one attribute
-check (``binding.active``, recomputed when the step or the measuring flag changes, not per call), two
-counters, the transform, and a metadata check of its result (shape/dtype/device/``_version``; no host
-sync). A context object is filled in only for transforms that read it, and effects are measured only
-while ``clock.measuring``.
+A :class:`SpecBinding` holds a spec's transform, its kind (:class:`KindInfo`, what the kind registry
+keeps), its schedule state and counters; a :class:`Site` is one target of it, the object a torch hook
+closes over (never the module or a tensor). The path a hook call takes is kept short because it runs on
+every forward/backward of every hooked module: one attribute check (``binding.active``, recomputed when
+the step or a pause changes, not per call), :meth:`SpecBinding.call` (two counters, and errors named
+after the spec), the transform, and a metadata check of its result (shape/dtype/device/``_version``; no
+host sync). A context object is filled in only for transforms that read it, and effects are measured
+only while ``clock.measuring``.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from hookexp.engine import values
-from hookexp.engine.schema import HookSpec
+from hookexp.engine.schema import HookSpec, Value
 from hookexp.engine.transforms import BoundTransform, HookContext, Record, Shards, local_shard
 from hookexp.engine.values import Selector
-from hookexp.errors import HookRuntimeError, HookWarning, SpecError, TransformOutputError
+from hookexp.errors import HookexpError, HookRuntimeError, HookWarning, SpecError, TransformOutputError
 
 if TYPE_CHECKING:
     from hookexp.engine.aliases import Resolved
-    from hookexp.engine.kinds import KindInfo
     from hookexp.engine.targets import Target
+
+R = TypeVar("R")
+
+
+class AttachSite(Protocol):
+    """What a kind needs from the handle it attaches into."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+
+    def add_pre_step(self, site: Site) -> Any: ...
+
+    def ran(self, site: Site) -> None: ...
+
+
+Attach = Callable[["Site", AttachSite], list[Any]]
+Check = Callable[["Site", AttachSite], None]
+Stage = Literal["forward", "backward", "step"]
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    """A registered hook kind (:func:`hookexp.engine.kinds.register_kind`): its facts, and the functions that
+    attach its torch hooks to one target and check, before anything is attached, that it can work there."""
+
+    name: str
+    on: Literal["module", "parameter"]
+    stage: Stage  # when it fires: in forward, in backward (sees fp16-scaled grads), before optimizer.step
+    torch_api: str
+    sees: str
+    value: Value
+    attach: Attach
+    check: Check | None = None
 
 
 @dataclass
@@ -63,14 +98,13 @@ class SpecBinding:
     """One spec bound to its transform and targets; the object every torch hook of the spec calls."""
 
     def __init__(self, spec: HookSpec, kind: KindInfo, transform: BoundTransform, targets: list[Target],
-                 clock: Clock, alias: Resolved | None = None, probe: bool = False):
+                 clock: Clock, alias: Resolved | None = None):
         self.spec = spec
         self.kind = kind
         self.transform = transform
         self.targets = targets
         self.alias = alias
         self.clock = clock
-        self.probe = probe
         self.sites = [Site(self, t) for t in targets]
         self.alive = True
         self.paused = False  # attached but idle (HookHandle.pause): e.g. record specs waiting for a spike
@@ -97,10 +131,11 @@ class SpecBinding:
 
     # -- schedule ----------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Recompute whether the hooks act now (called when the step or the measuring flag changes)."""
-        c = self.clock
-        self.active = (self.alive and not self.paused and self.spec.enabled
-                       and (c.ignore_schedule or self.spec.active_at(c.step)) and (c.measuring or not self.probe))
+        """Recompute whether the hooks act now (called when the step, the pause or the schedule changes):
+        attached and switched on, and inside the spec's step window (or the dry run, which ignores it)."""
+        switched_on = self.alive and self.spec.enabled and not self.paused
+        in_window = self.clock.ignore_schedule or self.spec.active_at(self.clock.step)
+        self.active = switched_on and in_window
 
     def live(self, training: bool | None) -> bool:
         """Whether the hook acts now: attached, in its step window, and (forward kinds) in its phase."""
@@ -125,9 +160,19 @@ class SpecBinding:
         self.notes.setdefault(target, set()).add(event)
 
     # -- the per-call path ------------------------------------------------------------------------
-    def count(self, site: Site) -> None:
-        self.calls += 1
-        site.calls += 1
+    def call(self, site: Site, fn: Callable[..., R], *args: Any, counted: bool = True) -> R:
+        """``fn(*args)`` as one call of this spec's hook on ``site``: counted (``counted=False``: a hook that
+        only registers the hooks that will act, on tensors or autograd Nodes), and an error that is not already
+        hookexp's raised as :meth:`failure`, naming the spec, the target and the step."""
+        if counted:
+            self.calls += 1
+            site.calls += 1
+        try:
+            return fn(*args)
+        except HookexpError:
+            raise
+        except Exception as e:
+            raise self.failure(e, site) from e
 
     def failure(self, error: BaseException, site: Site) -> HookRuntimeError:
         """A torch (or user) error raised inside one of this spec's hooks, as an error naming the spec."""
@@ -221,7 +266,7 @@ class SpecBinding:
                 "work out of place: return a new tensor (x.clamp(...), not x.clamp_(...)).",
                 spec=self.spec.name, field="transform")
         if y is part:
-            if self.clock.measuring and not self.probe:
+            if self.clock.measuring:
                 self.measure(part, part, site.shards)
             return x
         if not isinstance(y, torch.Tensor):
@@ -237,7 +282,7 @@ class SpecBinding:
                 spec=self.spec.name, field="transform")
         if sel is None and part.requires_grad and not y.requires_grad and torch.is_grad_enabled():
             self.cut_graph(site)  # (a slice put back into x leaves the rest of x in the graph: nothing is cut)
-        if self.clock.measuring and not self.probe:
+        if self.clock.measuring:
             self.measure(part, y, site.shards)
         return y if sel is None else sel.put(x, y)
 
@@ -280,7 +325,7 @@ class SpecBinding:
         spec, when a ``train`` spec (the default) meets a module in eval mode before it ever acted: the library's
         analysis on an ``eval()`` model, whose output would otherwise equal the unhooked model's without a word.
         (The trainer trains first, so its ``train`` specs act before any evaluation; ``phase: eval`` is asked for.)"""
-        if training or self.calls or self.phase_warned or self.probe or self.clock.ignore_schedule:
+        if training or self.calls or self.phase_warned or self.clock.ignore_schedule:
             return
         self.phase_warned = True
         warnings.warn(HookWarning(

@@ -14,10 +14,13 @@ Cost: measuring what a hook did (norm of the change, cosine, fraction changed) c
 per hooked tensor, so it follows a schedule and a hook otherwise costs what a hand-written hook costs.
 By default (``measure="read"``) the effects of step 0 are measured, and of the step after each
 ``stats()`` read: a loop that reads the stats every k steps measures one step in k, and one that never
-reads them pays for one step. ``measure=N`` measures every N-th step (the trainer's log steps:
-0, N, 2N, ...), ``measure=True`` every call, ``measure=False`` only while ``handle.measuring`` is set
-(what the trainer does). The step advances with ``optimizer.step()`` when ``attach`` has the optimizer,
-or with :meth:`HookHandle.set_step`. This module imports neither Hydra nor W&B.
+reads them pays for one step. ``measure=N`` measures every N-th step (0, N, 2N, ...), ``measure=True``
+every step, ``measure=False`` only while the owner sets ``handle.measuring`` (the trainer: on its log
+steps). The step advances with ``optimizer.step()`` when ``attach`` has the optimizer, or with
+:meth:`HookHandle.set_step`. This module imports neither Hydra nor W&B.
+
+Instruments that only read (telemetry's activation statistics) use no spec: see
+:func:`hookexp.engine.observe.output_hooks`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ import torch
 from torch import nn
 
 from hookexp.engine.binding import Clock, Site, SpecBinding, effect_rows
-from hookexp.engine.kinds import KINDS
-from hookexp.engine.schema import HookSpec, SpecsLike
+from hookexp.engine.kinds import KINDS, refuse_compiled
+from hookexp.engine.schema import HookSpec, SpecsLike, spec_name
 from hookexp.engine.specs import collect_specs, raise_all
 from hookexp.engine.targets import resolve
 from hookexp.engine.transforms import HookContext, Record, bind_transform, local_shard
@@ -66,15 +69,15 @@ class _PreStepEntry:
 class HookHandle:
     """The hooks one ``attach`` call added. Use as a context manager, or call :meth:`remove`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, measure: Measure = True,
-                 probe: bool = False):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, measure: Measure = True):
         if not (measure == "read" or isinstance(measure, bool) or (isinstance(measure, int) and measure >= 1)):
             raise ConfigError(f"expected 'read', True, False or a positive number of steps, got {measure!r}.",
                               key="attach(measure=...)")
         self._model = weakref.ref(model)
         self.optimizer = optimizer
         self.measure = measure
-        self.probe = probe
+        # the schedule: measure every N-th step (True: every step), else on reads ("read") or by hand (False)
+        self._every = int(measure) if measure is not False and measure != "read" else None
         self.clock = Clock(measuring=measure is not False)
         self.bindings: list[SpecBinding] = []
         self._torch_handles: list[Any] = []
@@ -146,24 +149,21 @@ class HookHandle:
         self.set_step(self.clock.step + 1)
 
     def _schedule(self) -> None:
-        """Measuring for a new step: "read" turns it off until the next stats() read; N: every N-th step."""
-        if self.measure == "read":
+        """Measuring for a new step: N (True: 1) every N-th step; "read" off until the next stats() read;
+        False: left as the owner set it."""
+        if self._every is not None:
+            self.clock.measuring = self.clock.step % self._every == 0
+        elif self.measure == "read":
             self.clock.measuring = False
-        elif self.measure is not True and self.measure is not False:
-            self.clock.measuring = self.clock.step % self.measure == 0
 
     @property
     def measuring(self) -> bool:
-        """Whether hook effects are measured now (and probes act). Setting it overrides the schedule until
-        the step changes."""
+        """Whether hook effects are measured now. Setting it overrides the schedule until the step changes."""
         return self.clock.measuring
 
     @measuring.setter
     def measuring(self, on: bool) -> None:
-        if on != self.clock.measuring:
-            self.clock.measuring = on
-            if self.probe:
-                self._refresh()
+        self.clock.measuring = on
 
     @contextlib.contextmanager
     def unscheduled(self) -> Iterator[None]:
@@ -228,15 +228,7 @@ class HookHandle:
                     self._run_batched(live)
                     continue
                 for s, g in live:
-                    b = s.binding
-                    b.calls += 1
-                    s.calls += 1
-                    try:
-                        b.apply_in_place(g, s)
-                    except HookexpError:
-                        raise
-                    except Exception as e:
-                        raise b.failure(e, s) from e
+                    s.binding.call(s, s.binding.apply_in_place, g, s)
 
     def _run_batched(self, live: list[tuple[Site, torch.Tensor]]) -> None:
         first = live[0][0].binding
@@ -244,8 +236,7 @@ class HookHandle:
         local = [local_shard(g) for _, g in live]  # under FSDP: this rank's shards (views of the DTensors)
         grads = [g for g, _ in local]
         shards = local[0][1]
-        measuring = self.clock.measuring and not first.probe
-        before = [g.clone() for g in grads] if measuring else None
+        before = [g.clone() for g in grads] if self.clock.measuring else None
         ctx = None
         if tf.needs_ctx or shards is not None:
             ctx = HookContext(first.spec.name, "pre_step", "*", self.clock.step, state=tf.state,
@@ -288,7 +279,7 @@ class HookHandle:
         ``change_norm`` is the mean L2 norm of (output - input) per tensor, ``cosine`` the mean cosine
         between them (1 for a tensor returned unchanged), ``frac_changed`` the fraction of elements the
         transform changed, all over the tensors measured since the last ``stats(reset=True)``. One host
-        sync for all specs. A probe handle reports nothing.
+        sync for all specs.
         """
         values, decode = self.pending_stats(reset)
         return decode(values.tolist() if values is not None else [])
@@ -300,11 +291,6 @@ class HookHandle:
         back as a list, into the dict :meth:`stats` returns."""
         if self.measure == "read":
             self.measuring = True  # the rest of this step and the next (the usual read: after optimizer.step())
-        if self.probe:
-            for b in self.bindings:
-                b.effects(reset=True)
-                b.emitted.clear()
-            return None, lambda values: {}
         taken = [b.effects(reset) for b in self.bindings]
         emitted = [(b, name, torch.stack([v.to(values[0].device) for v in values]).mean())
                    for b in self.bindings for name, values in b.emitted.items() if values]
@@ -332,9 +318,7 @@ class HookHandle:
         return torch.cat([v.to(device_values[0].device).reshape(-1) for v in device_values]), decode
 
     def table(self) -> list[dict[str, Any]]:
-        """The resolved hooks: one row per spec, for manifests, dry runs and W&B tables (none for a probe)."""
-        if self.probe:
-            return []
+        """The resolved hooks: one row per spec, for manifests, dry runs and W&B tables."""
         rows = []
         for b in self.bindings:
             s = b.spec
@@ -446,6 +430,24 @@ class HookHandle:
             exc.args = (f"{explained}\n(torch: {exc})",)
 
     # -- lifetime ---------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Register the torch hooks of every enabled spec (the kinds' ``attach``), the step counter on the
+        optimizer and, around full backward hooks, the forward hooks that name a spec in torch's errors. On
+        an error, what was registered is removed again and the error raised."""
+        try:
+            for binding in self.bindings:
+                if binding.spec.enabled:
+                    for site in binding.sites:
+                        self._torch_handles.extend(binding.kind.attach(site, self))
+            if self.optimizer is not None:
+                self._torch_handles.append(self.optimizer.register_step_post_hook(self.advance))
+            if any(b.spec.enabled and b.spec.kind in _FULL_BACKWARD for b in self.bindings):
+                self._torch_handles.append(self.model.register_forward_pre_hook(self._forward_starts))
+                self._torch_handles.append(self.model.register_forward_hook(self._forward_failed, always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+
     def remove(self) -> None:
         """Remove every hook this handle attached (and only those). Safe to call more than once."""
         for b in self.bindings:
@@ -514,8 +516,7 @@ def _names(specs: SpecsLike) -> list[str]:
     if isinstance(specs, dict):
         return [str(k) for k in specs]
     if isinstance(specs, (list, tuple)):
-        return [str(s.name if isinstance(s, HookSpec) else (s.get("name") or f"{s.get('kind')}:{s.get('target')}"))
-                for s in specs if isinstance(s, (HookSpec, dict))]
+        return [spec_name(s) for s in specs if isinstance(s, (HookSpec, dict))]
     return []
 
 
@@ -525,26 +526,21 @@ def explain_torch_error(exc: BaseException, hooks: HookHandle) -> HookexpError |
 
 
 def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer | None = None, *,
-           measure: Measure = "read", probe: bool = False) -> HookHandle:
+           measure: Measure = "read") -> HookHandle:
     """Attach hook specs to ``model``; returns the :class:`HookHandle` that owns them.
 
     ``specs``: a mapping ``{name: spec}``, a list of specs, or one :class:`HookSpec`; a spec's transform
     may be a registry name, ``{_target_: ...}``, or (here) any callable or :class:`Transform`.
     ``optimizer`` is needed by ``pre_step`` specs and makes the step counter advance after every
     ``optimizer.step()``. ``measure``: when hook effects are measured: ``"read"`` (default) step 0 and the
-    step after each ``stats()`` read, N every N-th step, True every call, False only while
-    ``handle.measuring`` is set. ``probe``: a handle for
-    instruments (statistics): its transforms act only while ``handle.measuring`` is on, it measures
-    no effects and appears in no stats or tables. Every spec is parsed, resolved and checked before
-    anything is attached; all static errors are raised together.
+    step after each ``stats()`` read, N every N-th step, True every step, False only while
+    ``handle.measuring`` is set. A spec can be switched off and on again with :meth:`HookHandle.pause`.
+    Every spec is parsed, resolved and checked before anything is attached; all static errors are raised
+    together.
     """
-    if type(model).__name__ == "OptimizedModule":
-        raise HookCompatibilityError(
-            "the model is already compiled with torch.compile, and hooks added after compiling are "
-            "silently ignored by torch. Attach the hooks to the eager model first, then compile it."
-        )
+    refuse_compiled(model)
     parsed, errors = collect_specs(specs)
-    handle = HookHandle(model, optimizer, measure, probe)
+    handle = HookHandle(model, optimizer, measure)
     for spec in parsed:
         kind = KINDS[spec.kind]
         try:
@@ -553,7 +549,7 @@ def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer 
         except HookexpError as e:
             errors.append(e)
             continue
-        binding = SpecBinding(spec, kind, transform, resolution.targets, handle.clock, resolution.alias, probe)
+        binding = SpecBinding(spec, kind, transform, resolution.targets, handle.clock, resolution.alias)
         if kind.check is not None and spec.enabled:
             for site in binding.sites:
                 try:
@@ -564,17 +560,5 @@ def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer 
         handle.bindings.append(binding)
     order = {name: i for i, name in enumerate(_names(specs))}
     raise_all(sorted(errors, key=lambda e: order.get(e.spec or "", -1)))  # in the order the specs were written
-    try:
-        for binding in handle.bindings:
-            if binding.spec.enabled:
-                for site in binding.sites:
-                    handle._torch_handles.extend(binding.kind.attach(site, handle))
-        if optimizer is not None:
-            handle._torch_handles.append(optimizer.register_step_post_hook(handle.advance))
-        if any(b.spec.enabled and b.spec.kind in _FULL_BACKWARD for b in handle.bindings):
-            handle._torch_handles.append(model.register_forward_pre_hook(handle._forward_starts))
-            handle._torch_handles.append(model.register_forward_hook(handle._forward_failed, always_call=True))
-    except BaseException:
-        handle.remove()
-        raise
+    handle.install()
     return handle

@@ -2,10 +2,10 @@
 
 Each kind is registered by decorator under a name whose facts (what it attaches to, the torch API, what
 its transform sees) are written once in :data:`hookexp.engine.schema.KIND_DOCS`. Its ``attach`` function
-registers torch hooks that call the :class:`~hookexp.engine.binding.SpecBinding` of one target
-(``binding.apply(value, site)``) and return what torch expects; schedule, counting, checks, measuring
-and error messages live in the binding, once for all kinds. ``check`` functions refuse, before anything
-is attached, a kind that cannot work on a target. Every error raised inside a hook that is not already
+registers torch hooks that call the :class:`~hookexp.engine.binding.SpecBinding` of one target through
+``binding.call(site, ...)`` and return what torch expects; schedule, counting, checks, measuring and
+error messages live in the binding, once for all kinds. ``check`` functions refuse, before anything is
+attached, a kind that cannot work on a target. Every error raised inside a hook that is not already
 hookexp's becomes a :class:`~hookexp.errors.HookRuntimeError` naming the spec.
 
 The semantics are torch 2.x's own (see docs/hooks.md, "Kinds"); the tests compare every kind with
@@ -18,47 +18,15 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from hookexp.engine import values
+from hookexp.engine.binding import Attach, AttachSite, Check, KindInfo, Site, SpecBinding, Stage
 from hookexp.engine.schema import KIND_DOCS, KindDoc, Value
-from hookexp.errors import HookCompatibilityError, HookexpError, RegistryError, SpecError, did_you_mean
-
-if TYPE_CHECKING:
-    from hookexp.engine.binding import Site
-
-
-class AttachSite(Protocol):
-    """What a kind needs from the handle it attaches into."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer | None
-
-    def add_pre_step(self, site: Site) -> Any: ...
-
-    def ran(self, site: Site) -> None: ...
-
-
-Attach = Callable[["Site", AttachSite], list[Any]]
-Check = Callable[["Site", AttachSite], None]
-Stage = Literal["forward", "backward", "step"]
-
-
-@dataclass(frozen=True)
-class KindInfo:
-    name: str
-    on: Literal["module", "parameter"]
-    stage: Stage  # when it fires: in forward, in backward (sees fp16-scaled grads), before optimizer.step
-    torch_api: str
-    sees: str
-    value: Value
-    attach: Attach
-    check: Check | None = None
-
+from hookexp.errors import HookCompatibilityError, RegistryError, SpecError, did_you_mean
 
 KINDS: dict[str, KindInfo] = {}
 
@@ -105,6 +73,15 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args)
 
     return hook
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """Refuse a model already compiled with torch.compile: torch silently ignores hooks added after compiling."""
+    if type(model).__name__ == "OptimizedModule":
+        raise HookCompatibilityError(
+            "the model is already compiled with torch.compile, and hooks added after compiling are "
+            "silently ignored by torch. Attach the hooks to the eager model first, then compile it."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -244,14 +221,7 @@ def _forward_pre(site: Site, handle: AttachSite) -> list[Any]:
             if b.active:
                 b.skipped_for_phase(site, module.training)
             return None
-        b.calls += 1
-        site.calls += 1
-        try:
-            return b.apply_inputs(args, kwargs, site)
-        except HookexpError:
-            raise
-        except Exception as e:
-            raise b.failure(e, site) from e
+        return b.call(site, b.apply_inputs, args, kwargs, site)
 
     return [site.obj.register_forward_pre_hook(hook, with_kwargs=True)]  # type: ignore[union-attr]
 
@@ -266,18 +236,11 @@ def _forward(site: Site, handle: AttachSite) -> list[Any]:
             if b.active:
                 b.skipped_for_phase(site, module.training)
             return None
-        b.calls += 1
-        site.calls += 1
-        try:
-            aux = args if site.input is None else _picked_input(site.input, args, kwargs)
-            if b.plain and isinstance(output, torch.Tensor):
-                new = b.apply_tensor(output, site, aux, None)
-            else:
-                new = b.apply(output, site, aux)
-        except HookexpError:
-            raise
-        except Exception as e:
-            raise b.failure(e, site) from e
+        aux = args if site.input is None else _picked_input(site.input, args, kwargs)  # what ctx.aux shows
+        if b.plain and isinstance(output, torch.Tensor):  # the common case, one call shorter
+            new = b.call(site, b.apply_tensor, output, site, aux, None)
+        else:
+            new = b.call(site, b.apply, output, site, aux)
         return None if new is output else new
 
     return [site.obj.register_forward_hook(hook, with_kwargs=True)]  # type: ignore[union-attr]
@@ -290,7 +253,7 @@ def _picked_input(found: tuple[str, int | None], args: tuple[Any, ...], kwargs: 
     return args[pos] if pos is not None and pos < len(args) else None
 
 
-def _output_tensors(b: Any, output: Any) -> list[tuple[int | str | None, torch.Tensor]]:
+def _output_tensors(b: SpecBinding | type[_NoIndex], output: Any) -> list[tuple[int | str | None, torch.Tensor]]:
     """The output tensors an ``output_grad``/``node`` spec acts on: ``index`` picks one, else the top level."""
     if b.index is not None:
         key = values.locate(output, b.index)
@@ -309,37 +272,33 @@ def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not b.active or not torch.is_grad_enabled():
             return
-        try:
-            hooked = False
-            for key, t in _output_tensors(b, output):
-                if t.requires_grad:
-                    t.register_hook(functools.partial(_grad_call, site, key))
-                    hooked = True
-        except HookexpError:
-            raise
-        except LookupError as e:
-            raise SpecError(f"{e} (target {site.name!r}, kind 'output_grad').", spec=b.spec.name,
-                            field="index") from None
-        except Exception as e:
-            raise b.failure(e, site) from e
-        if not hooked:
+        if not b.call(site, _hook_output_grads, site, output, counted=False):
             b.note(site.name, "output does not require grad")
 
     return [site.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
+
+
+def _hook_output_grads(site: Site, output: Any) -> bool:
+    """``output_grad``: a tensor hook on each output tensor that requires grad; whether there was one."""
+    b = site.binding
+    try:
+        picked = _output_tensors(b, output)
+    except LookupError as e:
+        raise SpecError(f"{e} (target {site.name!r}, kind 'output_grad').", spec=b.spec.name,
+                        field="index") from None
+    hooked = False
+    for key, t in picked:
+        if t.requires_grad:
+            t.register_hook(functools.partial(_grad_call, site, key))
+            hooked = True
+    return hooked
 
 
 def _grad_call(site: Site, key: int | str | None, grad: torch.Tensor) -> torch.Tensor | None:
     b = site.binding
     if not b.active:
         return None
-    b.calls += 1
-    site.calls += 1
-    try:
-        new = b.apply_value(grad, site, None, key)
-    except HookexpError:
-        raise
-    except Exception as e:
-        raise b.failure(e, site) from e
+    new = b.call(site, b.apply_value, grad, site, None, key)
     return None if new is grad else new
 
 
@@ -348,14 +307,7 @@ def _tuple_call(site: Site, value: tuple[Any, ...], aux: Any = None) -> Any:
     b = site.binding
     if not b.active:
         return None
-    b.calls += 1
-    site.calls += 1
-    try:
-        new = b.apply(value, site, aux)
-    except HookexpError:
-        raise
-    except Exception as e:
-        raise b.failure(e, site) from e
+    new = b.call(site, b.apply, value, site, aux)
     return None if new is value else new
 
 
@@ -400,26 +352,27 @@ def _node_kind(pre: bool) -> Attach:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not b.active or not torch.is_grad_enabled():
                 return
-            try:
-                nodes: list[Any] = []
-                for _, t in _output_tensors(_NoIndex, output):
-                    if t.grad_fn is not None and all(t.grad_fn is not n for n in nodes):
-                        nodes.append(t.grad_fn)
-                for node in nodes:
-                    if pre:
-                        node.register_prehook(functools.partial(_node_pre_call, site))
-                    else:
-                        node.register_hook(functools.partial(_node_call, site))
-            except HookexpError:
-                raise
-            except Exception as e:
-                raise b.failure(e, site) from e
-            if not nodes:
+            if not b.call(site, _hook_nodes, site, output, pre, counted=False):
                 b.note(site.name, "output has no grad_fn")
 
         return [site.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
 
     return attach
+
+
+def _hook_nodes(site: Site, output: Any, pre: bool) -> bool:
+    """``node``/``node_pre``: a hook on the autograd Node of each output tensor (once per Node); whether
+    there was one."""
+    nodes: list[Any] = []
+    for _, t in _output_tensors(_NoIndex, output):
+        if t.grad_fn is not None and all(t.grad_fn is not n for n in nodes):
+            nodes.append(t.grad_fn)
+    for node in nodes:
+        if pre:
+            node.register_prehook(functools.partial(_node_pre_call, site))
+        else:
+            node.register_hook(functools.partial(_node_call, site))
+    return bool(nodes)
 
 
 class _NoIndex:
@@ -455,14 +408,7 @@ def _post_accumulate(site: Site, handle: AttachSite) -> list[Any]:
 
     def hook(param: torch.Tensor) -> None:
         if param.grad is not None and b.active:
-            b.calls += 1
-            site.calls += 1
-            try:
-                b.apply_in_place(param.grad, site)
-            except HookexpError:
-                raise
-            except Exception as e:
-                raise b.failure(e, site) from e
+            b.call(site, b.apply_in_place, param.grad, site)
 
     return [site.obj.register_post_accumulate_grad_hook(hook)]  # type: ignore[union-attr]
 

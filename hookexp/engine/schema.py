@@ -324,7 +324,9 @@ def parse_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collectio
 SpecsLike = Mapping[str, Any] | Sequence[Any] | HookSpec | None
 
 
-def _default_name(raw: Any) -> str:
+def spec_name(raw: Any) -> str:
+    """The name of a spec given in a list: its ``name``, else ``<kind>:<target>`` (the one rule for every
+    place that names a spec of a list: parsing, error order, the FSDP refusal)."""
     if isinstance(raw, HookSpec):
         return raw.name
     if isinstance(raw, Mapping):
@@ -351,7 +353,7 @@ def parse_specs(specs: SpecsLike, *, kinds: Collection[str] | None = None,
         for i, raw in enumerate(specs):
             if not isinstance(raw, (Mapping, HookSpec)):
                 return [], [SpecError(f"item {i} of the spec list is {raw!r}, not a mapping.")]
-            items.append((_default_name(raw), raw))
+            items.append((spec_name(raw), raw))
     else:
         return [], [SpecError(f"hook specs must be a mapping {{name: spec}} or a list of specs, got "
                               f"{type(specs).__name__}.")]

@@ -16,7 +16,6 @@ reports say so), because torch fires their hooks once per call, not once per nam
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from hookexp.engine.aliases import Resolved, alias_hint, expand
+from hookexp.engine.patterns import compile_pattern
 from hookexp.engine.schema import HookSpec
 from hookexp.errors import ConfigError, HookexpError, SpecError, TargetError, did_you_mean
 
@@ -64,24 +64,6 @@ class _Errors:
         if self.config_key is not None:
             return ConfigError(message, key=self.config_key)
         return TargetError(message, spec=self.spec, field=field)
-
-
-def compile_pattern(pattern: str, *, spec: str | None = None, field: str = "target") -> Callable[[str], bool]:
-    """A predicate on names for one pattern of the grammar (aliases excepted: see :func:`resolve`)."""
-    if pattern.startswith("re:"):
-        try:
-            rx = re.compile(pattern[3:])
-        except re.error as e:
-            raise SpecError(
-                f"invalid regular expression {pattern[3:]!r}: {e}. Patterns with 're:' use Python's re "
-                "syntax; escape dots as '\\.'.",
-                spec=spec,
-                field=field,
-            ) from None
-        return lambda name: rx.search(name) is not None
-    if any(c in pattern for c in "*?["):
-        return lambda name: fnmatch.fnmatchcase(name, pattern)
-    return lambda name: name == pattern
 
 
 def _grouped(named: Iterable[tuple[str, object]]) -> list[Target]:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from hookexp.engine.schema import spec_name
 from hookexp.errors import ConfigError, HookCompatibilityError, did_you_mean
 from hookexp.run import launchers
 
@@ -248,7 +249,7 @@ def refuse_kinds(specs: Mapping[str, Any] | Sequence[Any] | None, strategy: str)
         return
     kinds = refused_kinds()
     items = specs.items() if isinstance(specs, Mapping) else \
-        ((s.get("name") or f"{s.get('kind')}:{s.get('target')}", s) for s in specs if isinstance(s, Mapping))
+        ((spec_name(s), s) for s in specs if isinstance(s, Mapping))
     refused = [(str(name), str(spec.get("kind"))) for name, spec in items
                if isinstance(spec, Mapping) and spec.get("kind") in kinds and spec.get("enabled", True)]
     if not refused:

@@ -8,8 +8,9 @@ while it is on they keep what the log step describes:
   the DDP all-reduce, the AMP unscale and the ``pre_step`` specs, before ``trainer.clip_grad_norm``
   (an optimizer step pre-hook registered after the specs' own);
 - ``activations``: the output of each matched module in a training forward (its first tensor when it
-  returns a tuple), through an engine ``forward`` spec on a probe handle, so torch.compile sees it from
-  the start: hooks added after compiling are ignored by torch;
+  returns a tuple), through plain forward hooks (:func:`hookexp.engine.output_hooks`: no spec, nothing
+  counted or listed) switched on for log steps; they are attached with the probes, so torch.compile sees
+  them from the start: hooks added after compiling are ignored by torch;
 - ``params``: the weights after the update; ``updates``: the update (weights after minus before) and its
   norm over the weights' norm before it; ``optimizer``: the norm of every optimizer state tensor shaped
   like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``);
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hookexp.engine import attach, match
+from hookexp.engine import match, output_hooks
 from hookexp.errors import ConfigError
 from hookexp.telemetry.observer import Observer
 from hookexp.telemetry.readback import Pending
@@ -119,10 +120,7 @@ class Probes(Observer):
         self._active = False
         self._acts = None
         if activations:
-            match(model, activations, on="module", key=key("activations"))  # a bad pattern names its key
-            self._acts = attach(model, {"stats.activations": {"target": activations, "kind": "forward",
-                                                              "transform": self._keep_activation, "phase": "train"}},
-                                measure=False, probe=True)
+            self._acts = output_hooks(model, activations, self._keep_activation, key=key("activations"), on=False)
         self._optimizer = optimizer
 
     @property
@@ -134,16 +132,17 @@ class Probes(Observer):
         """On for a log step (set before its forward), off otherwise."""
         self._active = on
         if self._acts is not None:
-            self._acts.measuring = on
+            self._acts.on = on
 
     def start(self, step: int, log: bool) -> None:
         self.active = log
 
     # -- capture ----------------------------------------------------------------------------------------
-    def _keep_activation(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
-        if ctx.index in (None, 0) and x.is_floating_point() and x.numel():
-            self._acts_kept[f"act/{ctx.target}"] = x.detach().clone()  # a later in-place op must not change it
-        return x
+    def _keep_activation(self, name: str, output: Any) -> None:
+        """A matched module's output (its first element when a tuple or list), kept for this log step."""
+        x = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            self._acts_kept[f"act/{name}"] = x.detach().clone()  # a later in-place op must not change it
 
     def _describe(self, grads: dict[str, torch.Tensor]) -> None:
         """Gradients and the activations kept so far, described at once (no copy of the gradients: the clip
