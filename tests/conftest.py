@@ -14,6 +14,15 @@ import torch
 TESTS = Path(__file__).parent
 
 
+def config(*overrides: str):
+    """The config ``python -m hookexp OVERRIDES`` composes, with W&B off and no progress bar: what the tests train
+    in process with :func:`hookexp.run.loop.train`."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
     """``python -m hookexp ARGS`` in ``cwd``; tests/ is on PYTHONPATH for the user transforms."""

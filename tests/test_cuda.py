@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl
-from hydra import compose, initialize_config_module
+from conftest import config, read_jsonl
 
 from hookexp.engine import HookHandle
 from hookexp.run.loop import train
@@ -18,11 +17,6 @@ from hookexp.sinks import Sinks
 from hookexp.telemetry.observer import Observers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
 def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

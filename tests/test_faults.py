@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, read_jsonl, wandb_summary
-from hydra import compose, initialize_config_module
+from conftest import TESTS, config, read_jsonl, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.loop import train
@@ -25,11 +24,6 @@ from hookexp.run.loop import train
 STOP = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
 BASE = ["trainer.max_steps=40", "stats.every=3", "stats.hist_bins=4", "hooks=[grad_noise,record_activations]",
         "hooks.record_activations.every=7", "trainer.accumulate=2", "scheduler=cosine", "scheduler.warmup_steps=4"]
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
 def without_timing(path: Path) -> list[dict]:

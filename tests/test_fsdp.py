@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, read_jsonl, run_cli
+from conftest import TESTS, config, read_jsonl, run_cli
 from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, ConfigError, HookCompatibilityError
@@ -47,11 +47,6 @@ def text(tmp: Path) -> Path:
     path = tmp / "text.txt"
     path.write_text((TESTS / "conftest.py").read_text() * 2)
     return path
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
 def free_port() -> int:

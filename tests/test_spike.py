@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, read_jsonl
-from hydra import compose, initialize_config_module
+from conftest import TESTS, config, read_jsonl
 
 from hookexp.errors import ConfigError
 from hookexp.run.loop import train
@@ -17,11 +16,6 @@ from hookexp.telemetry.spike import SpikeRecorder
 SPIKE = ["guard.spike.metric=train/loss", "guard.spike.window=2", "guard.spike.threshold=3", "guard.spike.steps=3",
          "guard.spike.record=[rec]", "+hooks.rec={target:fc2,kind:forward,transform:record}",
          "+hooks.boom={target:fc2,kind:forward,transform:{_target_:user_transforms.spike_at,step:13}}"]
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl
-from hydra import compose, initialize_config_module
+from conftest import config, read_jsonl
 from omegaconf import OmegaConf
 
 from hookexp.errors import ConfigError
@@ -20,11 +19,6 @@ from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loop import train
 from hookexp.schedules import constant
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
 def test_normed_stream_layout_normalises_the_stream_before_attention():

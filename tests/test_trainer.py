@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl
-from hydra import compose, initialize_config_module
+from conftest import config, read_jsonl
 from torch.utils.data import TensorDataset
 
 from hookexp.engine import HookHandle, SpecBinding
@@ -19,11 +18,6 @@ from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.run.loop import train
 from hookexp.telemetry.probes import Probes
 from hookexp.telemetry.stats import TensorStats
-
-
-def config(*overrides: str):
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
 def rows_with(path: Path, key: str) -> list[dict]:
