@@ -38,6 +38,7 @@ from omegaconf.errors import InterpolationKeyError
 
 from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
+from hookexp.goals import objective, objective_value
 from hookexp.run import launchers, rundir
 
 log = logging.getLogger("hookexp")
@@ -177,7 +178,8 @@ def _sweep_defaults(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> Any:
-    """Run (or dry-run) one job; returns the optimised metric (val/acc, else -val/loss) for sweepers."""
+    """Run (or dry-run) one job; returns ``optimized_metric`` for sweepers (null: val/acc, else val/loss), negated
+    when lower is better (:func:`hookexp.goals.objective_value`)."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     check_config(cfg)
@@ -185,7 +187,11 @@ def run(cfg: DictConfig) -> Any:
     check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
-    from hookexp.run.loop import dry_run, train  # torch is imported only once the config is checked
+    from hookexp.run.build import build_task, logged_metrics  # torch is imported only once the config is checked
+    from hookexp.run.loop import dry_run, train
+
+    # the sweep objective: a name the task does not log is refused before anything trains
+    metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
 
     log.info("run directory: %s", run_dir)
     if cfg.get("dry_run"):
@@ -206,10 +212,7 @@ def run(cfg: DictConfig) -> Any:
                       if k.startswith(("train/", "val/")) and isinstance(v, float))
     log.info("finished %d steps (%s reached) in %.1f s: %s; run directory: %s", summary["trainer/steps"],
              summary.get("trainer/stopped_by", "the last step"), summary["runtime_s"], shown, run_dir)
-    for key in ("val/acc", "val/loss"):
-        if isinstance(summary.get(key), float):
-            return summary[key] if key == "val/acc" else -summary[key]
-    return None
+    return objective_value(metric, summary)
 
 
 SOURCE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")

@@ -160,6 +160,11 @@ class HookexpConfig:
     repro: ReproConfig = field(default_factory=ReproConfig)
     # true: continue this run directory's checkpoint (same hydra.run.dir); or a checkpoint / run dir path
     resume: Any = None
+    # The sweep objective: the metric each job returns to the sweeper (Optuna), from its summary.json, negated
+    # when lower is better (a name ending in loss, ppl, perplexity or mse: hookexp.goals), so that a sweeper
+    # always maximizes. null: val/acc when the task logs it, else val/loss. A name the task does not log is
+    # refused before the job trains, e.g. optimized_metric=val/loss or optimized_metric=val/acc_best.
+    optimized_metric: Optional[str] = None  # noqa: UP045
 
 
 # Keys that may be added on the command line with `+key=value` (they are not part of the schema).

@@ -121,7 +121,7 @@ def test_every_option_of_plain_groups_composes(group):
 # conf/stats and conf/guard (issue 26): written out here so that moving a default (into hookexp/config.py or
 # anywhere else) cannot silently change it. DEFAULTS: what the main config has; CHANGED: what an option changes.
 DEFAULTS = {
-    "seed": 0, "resume": None, "repro.deterministic": False,
+    "seed": 0, "resume": None, "optimized_metric": None, "repro.deterministic": False,
     "trainer.epochs": None, "trainer.max_steps": None, "trainer.accumulate": 1, "trainer.clip_grad_norm": None,
     "trainer.eval_every": None, "trainer.eval_every_epochs": 1, "trainer.stop_when": None, "trainer.device": "auto",
     "trainer.num_threads": 1, "trainer.progress": True, "trainer.save_records": True, "trainer.precision": "fp32",
@@ -154,7 +154,7 @@ CHANGED = {
     "sweep=optuna_lr": {"trainer.epochs": 5},
 }
 TOP_LEVEL = ["seed", "model", "task", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger",
-             "repro", "resume"]
+             "repro", "resume", "optimized_metric"]
 
 
 def flatten(node: dict, prefix: str = "") -> dict:
@@ -171,7 +171,7 @@ def flatten(node: dict, prefix: str = "") -> dict:
 def typed_values(cfg) -> dict:
     """The composed config's typed keys (DEFAULTS' keys), flattened."""
     container = OmegaConf.to_container(cfg)
-    return flatten({key: container[key] for key in ("seed", "resume", "repro", "trainer", "guard",
+    return flatten({key: container[key] for key in ("seed", "resume", "optimized_metric", "repro", "trainer", "guard",
                                                     "stats", "logger")})
 
 
