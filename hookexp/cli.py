@@ -38,6 +38,7 @@ from omegaconf.errors import InterpolationKeyError
 
 from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
+from hookexp.goals import objective, objective_value
 from hookexp.run import launchers, rundir
 
 log = logging.getLogger("hookexp")
@@ -100,9 +101,8 @@ def check_hook_files(config_name: str, overrides: list[str]) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
     loader = GlobalHydra.instance().config_loader()
-    # the repository with the search path the overrides give (hydra.searchpath, as compose(config_dir=) adds it);
-    # hydra-core is pinned below 1.4
-    _, repo = loader._parse_overrides_and_create_caching_repo(config_name, overrides)  # type: ignore[attr-defined]
+    # the repository with the search path the overrides give (hydra.searchpath, as compose(config_dir=) adds it)
+    _, repo = hydra_private("config_repository")(loader, config_name, overrides)
     owner: dict[str, str] = {}
     for default in loader.compute_defaults_list(config_name, overrides, RunMode.RUN).defaults:
         path = default.config_path or ""
@@ -122,13 +122,12 @@ def check_hook_files(config_name: str, overrides: list[str]) -> None:
 def unknown_keys_as_additions() -> Iterator[None]:
     """While Hydra composes: an override of a key the config lacks (``trainer.max_step=20``) is applied as
     ``+trainer.max_step=20``, so that hookexp's checks answer the typo with their did-you-mean instead of Hydra's
-    advice to add it (``hydra.*`` keys stay Hydra's). Hydra offers no hook there; hydra-core is pinned below 1.4."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    advice to add it (``hydra.*`` keys stay Hydra's). Hydra offers no hook there: this replaces a private one."""
     from hydra.core.override_parser.types import OverrideType
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    apply = ConfigLoaderImpl._apply_overrides_to_config
+    apply = hydra_private("apply_overrides")
 
     def apply_each(overrides: list[Any], cfg: DictConfig) -> None:
         for override in overrides:
@@ -140,11 +139,46 @@ def unknown_keys_as_additions() -> Iterator[None]:
                     raise
                 apply([dataclasses.replace(override, type=OverrideType.FORCE_ADD)], cfg)
 
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_each)  # type: ignore[method-assign]
+    hydra_private("apply_overrides", replace=apply_each)
     try:
         yield
     finally:
-        ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
+        hydra_private("apply_overrides", replace=apply)
+
+
+# Hydra's private API, the two pieces hookexp needs: the config repository a set of overrides composes from
+# (check_hook_files reads the selected hook files), and where overrides are applied (unknown_keys_as_additions).
+# They are read and replaced only through hydra_private; tests/test_cli.py runs it on the installed Hydra.
+HYDRA_PRIVATE = {  # name: (module, class, attribute, its parameters)
+    "config_repository": ("hydra._internal.config_loader_impl", "ConfigLoaderImpl",
+                          "_parse_overrides_and_create_caching_repo", ("self", "config_name", "overrides")),
+    "apply_overrides": ("hydra._internal.config_loader_impl", "ConfigLoaderImpl", "_apply_overrides_to_config",
+                        ("overrides", "cfg")),
+}
+HYDRA_SUPPORTED = ">=1.3.2,<1.4"  # the hydra-core versions this is written for: pyproject.toml's requirement
+
+
+def hydra_private(name: str, replace: Any = None) -> Any:
+    """The private Hydra function ``HYDRA_PRIVATE[name]``; with ``replace``, install that (a static method) in its
+    place and return the one it replaced. A ``HookexpError`` naming the installed hydra-core and the supported
+    versions when the function is gone or takes other parameters (a Hydra release moved it)."""
+    import importlib
+    import inspect
+
+    module, cls, attr, params = HYDRA_PRIVATE[name]
+    try:
+        owner = getattr(importlib.import_module(module), cls)
+        found = getattr(owner, attr)
+        moved = tuple(inspect.signature(found).parameters) != params
+    except (ImportError, AttributeError):
+        found, moved = None, True
+    if moved:
+        raise HookexpError(f"hookexp uses Hydra's private {module}.{cls}.{attr}({', '.join(params)}), which "
+                           f"hydra-core {hydra.__version__} does not have (a Hydra release moved it). hookexp "
+                           f"supports hydra-core{HYDRA_SUPPORTED}: pip install 'hydra-core{HYDRA_SUPPORTED}'.")
+    if replace is not None:
+        setattr(owner, attr, staticmethod(replace))
+    return found
 
 
 def apply_ablation(cfg: DictConfig) -> None:
@@ -177,7 +211,8 @@ def _sweep_defaults(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> Any:
-    """Run (or dry-run) one job; returns the optimised metric (val/acc, else -val/loss) for sweepers."""
+    """Run (or dry-run) one job; returns ``optimized_metric`` for sweepers (null: val/acc, else val/loss), negated
+    when lower is better (:func:`hookexp.goals.objective_value`)."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     check_config(cfg)
@@ -185,7 +220,11 @@ def run(cfg: DictConfig) -> Any:
     check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
-    from hookexp.run.loop import dry_run, train  # torch is imported only once the config is checked
+    from hookexp.run.build import build_task, logged_metrics  # torch is imported only once the config is checked
+    from hookexp.run.loop import dry_run, train
+
+    # the sweep objective: a name the task does not log is refused before anything trains
+    metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
 
     log.info("run directory: %s", run_dir)
     if cfg.get("dry_run"):
@@ -206,10 +245,7 @@ def run(cfg: DictConfig) -> Any:
                       if k.startswith(("train/", "val/")) and isinstance(v, float))
     log.info("finished %d steps (%s reached) in %.1f s: %s; run directory: %s", summary["trainer/steps"],
              summary.get("trainer/stopped_by", "the last step"), summary["runtime_s"], shown, run_dir)
-    for key in ("val/acc", "val/loss"):
-        if isinstance(summary.get(key), float):
-            return summary[key] if key == "val/acc" else -summary[key]
-    return None
+    return objective_value(metric, summary)
 
 
 SOURCE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
@@ -327,6 +363,8 @@ def main() -> None:
     others = [a for a in args if a.startswith("-") or "=" not in a]  # Hydra's flags and their values
     overrides = [a for a in args if not a.startswith("-") and "=" in a]
     try:
+        for name in HYDRA_PRIVATE:  # a Hydra outside the supported versions: one paragraph, before anything runs
+            hydra_private(name)
         overrides = rundir.resume_overrides(overrides)
         launchers.check_plugins(overrides)
     except HookexpError as e:

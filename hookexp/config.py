@@ -2,9 +2,11 @@
 
 ``conf/config.yaml`` lists ``hookexp_schema`` first in its defaults, so the composed config is typed:
 ``trainer.epoch=3`` (a misspelled key) or ``trainer.epochs=abc`` (a wrong type) fail before anything
-runs, with Hydra's message naming the key. ``model``, ``optim`` and ``data.dataset`` are ``_target_``
-mappings for ``hydra.utils.instantiate``; their arguments are checked when instantiated, and a wrong
-one is reported by :func:`hookexp.run.build.instantiate` with the constructor's real parameters.
+runs, with Hydra's message naming the key. Every default, and what it means, is written once: in the
+dataclasses below (their field comments are the documentation); a yaml option holds only what it changes.
+``model``, ``optim`` and ``data.dataset`` are ``_target_`` mappings for ``hydra.utils.instantiate``; their
+arguments are checked when instantiated, and a wrong one is reported by :mod:`hookexp.run.instantiate` with the
+constructor's real parameters.
 """
 
 from __future__ import annotations
@@ -32,61 +34,88 @@ if not OmegaConf.has_resolver("hookexp_help"):  # the kind and alias lists of `p
 class FsdpConfig:
     """``trainer.fsdp``: how ``trainer.strategy=fsdp`` shards the model (FSDP2, ``fully_shard``)."""
 
-    wrap: Optional[str] = "@blocks"  # noqa: UP045 - modules sharded as their own unit (target grammar); null: root only
-    reshard_after_forward: bool = True  # free each unit's gathered parameters after its forward (less memory)
+    # modules sharded as their own unit (target grammar: name, glob, re:, @alias); null: the root only
+    wrap: Optional[str] = "@blocks"  # noqa: UP045
+    # free each unit's gathered parameters after its forward (false: faster, more memory)
+    reshard_after_forward: bool = True
 
 
 @dataclass
 class TrainerConfig:
+    """``trainer``: how long and how a job trains. How long: ``epochs`` passes over the data (null: 10), or
+    ``max_steps`` optimizer steps; an explicit max_steps lifts the default epoch limit (as transformers and
+    Lightning do); both set: the first reached ends the run."""
+
     epochs: Optional[int] = None  # noqa: UP045 - passes over the data; null: 10, unless max_steps is set
     max_steps: Optional[int] = None  # noqa: UP045 - stop after this many optimizer steps (lifts the default epochs)
-    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation; DDP syncs on the last)
-    clip_grad_norm: Optional[float] = None  # noqa: UP045 - global gradient-norm clip, after the pre_step specs
-    eval_every: Optional[int] = None  # noqa: UP045 - also validate every N steps (besides each epoch's end)
-    eval_every_epochs: int = 1  # validate at the end of every N-th epoch; 0: only by eval_every and at the end
-    stop_when: Optional[str] = None  # noqa: UP045 - e.g. val/acc=0.95: stop once a logged metric reaches it
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    num_threads: Optional[int] = 1  # noqa: UP045 - torch's intra-op CPU threads; null: torch's default
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation; DDP syncs on the last one)
+    # e.g. 1.0: clip the global gradient norm, after the pre_step hooks (logs grad/pre_clip_norm)
+    clip_grad_norm: Optional[float] = None  # noqa: UP045
+    eval_every: Optional[int] = None  # noqa: UP045 - also validate every N steps (validation always runs at the last step)
+    eval_every_epochs: int = 1  # validate at the end of every N-th epoch; 0: only every eval_every steps and at the end
+    # e.g. val/acc=0.95 or val/loss<=0.1: stop once a logged metric reaches it (on the command line quote the
+    # value: "trainer.stop_when='val/acc=0.95'")
+    stop_when: Optional[str] = None  # noqa: UP045
+    device: str = "auto"  # auto (cuda if available, else mps, else cpu) | cpu | cuda | cuda:N | mps
+    # torch's intra-op CPU threads; null: one per core (README "CPU threads")
+    num_threads: Optional[int] = 1  # noqa: UP045
     progress: bool = True  # a tqdm progress bar on stderr
-    save_records: bool = True  # write what `record` transforms kept to records/<spec>.pt
-    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast dtype; fp16 adds a GradScaler
-    compile: bool = False  # torch.compile the model after the hooks are attached
-    compile_backend: str = "inductor"
-    checkpoint_every: Optional[int] = None  # noqa: UP045 - steps between checkpoints (and always on SIGTERM)
-    strategy: str = "auto"  # auto | ddp | fsdp: auto is one process, or DDP under torchrun
+    save_records: bool = True  # `record` transforms: save what they kept to records/<spec>.pt
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 uses a GradScaler, unscaled before pre_step hooks)
+    compile: bool = False  # torch.compile the model, after the hooks are attached (they keep working)
+    compile_backend: str = "inductor"  # torch.compile's backend
+    # steps between checkpoints (checkpoints/last.pt); SIGTERM/SIGINT always save one
+    checkpoint_every: Optional[int] = None  # noqa: UP045
+    # auto: one process, or DDP under torchrun | ddp | fsdp (FSDP2: shard parameters, gradients and optimizer
+    # state over the ranks; README "Going past one machine")
+    strategy: str = "auto"
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
 
 @dataclass
 class SpikeConfig:
-    """``guard.spike``: the spike recorder (hookexp.telemetry.spike)."""
+    """``guard.spike``: the spike recorder (hookexp/telemetry/spike.py). On a spike of ``metric``: log every step for
+    ``steps`` steps, turn on the ``record`` specs for them, save a checkpoint and write the steps and batches to
+    spikes.jsonl."""
 
     metric: Optional[str] = None  # noqa: UP045 - e.g. train/loss or grad/global_norm; null: off
     window: int = 20  # log steps of history the metric is compared with
-    threshold: float = 3.0  # a spike: the metric above threshold x the median of its window
+    threshold: float = 3.0  # a spike: the metric above threshold x the median of its window ...
     min_value: float = 0.0  # ... and above this
-    steps: int = 10  # after a spike: log every step for this many steps
-    record: list[str] = field(default_factory=list)  # record specs that act only in a spike's window
+    steps: int = 10  # log every step for this many steps after a spike
+    # hook specs with transform: record that act only in a spike's window
+    record: list[str] = field(default_factory=list)
     checkpoint: bool = True  # save a checkpoint at each spike
 
 
 @dataclass
 class GuardConfig:
-    nan_policy: str = "raise"  # raise | skip_step | warn | off: what a NaN/Inf loss or gradient does
+    """``guard``: what a NaN/Inf loss or gradient does, and the spike recorder."""
+
+    # raise (stop, naming the step, the parameters and the hooks touching them) | skip_step (skip that update) |
+    # warn (go on) | off. See hookexp/telemetry/guard.py for what each costs.
+    nan_policy: str = "raise"
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
 @dataclass
 class StatsConfig:
-    every: int = 10  # log step period: metrics, gradient statistics and hook effects
-    grads: Optional[str] = "*"  # noqa: UP045 - parameters to describe (target grammar); null: none
-    activations: Optional[str] = None  # noqa: UP045 - modules whose outputs to describe; null: none
-    hist_bins: int = 0  # >0: a histogram per parameter (and per described module) on log steps
-    hist_sample: Optional[int] = 4096  # noqa: UP045 - histograms count at most this many elements per tensor; null: all
-    params: Optional[str] = None  # noqa: UP045 - parameters whose weight norm is logged; null: none
-    updates: Optional[str] = None  # noqa: UP045 - parameters whose update norm and update/weight ratio are logged
-    optimizer: Optional[str] = None  # noqa: UP045 - parameters whose optimizer state norms are logged (Adam's moments)
-    group_by: Optional[str] = None  # noqa: UP045 - 're:^blocks\.\d+': also one norm per group of parameters
+    """``stats``: what the trainer logs on every ``every``-th step (and only then: no extra work on other steps)."""
+
+    every: int = 10  # log period in optimizer steps: metrics, gradient statistics and hook effects
+    grads: Optional[str] = "*"  # noqa: UP045 - parameters whose gradient statistics are logged (target grammar); null: none
+    activations: Optional[str] = None  # noqa: UP045 - modules whose activation statistics are logged; null: none
+    hist_bins: int = 0  # >0: also a histogram per parameter (and per module in `activations`)
+    # a histogram counts at most this many elements of a tensor (a fixed uniform subset, counts scaled to the
+    # tensor's size; min/max stay exact); null: all
+    hist_sample: Optional[int] = 4096  # noqa: UP045
+    params: Optional[str] = None  # noqa: UP045 - parameters whose weight norm is logged (param/<name>/norm); e.g. "*"
+    # parameters whose update norm and update/weight ratio are logged (update/<name>/...)
+    updates: Optional[str] = None  # noqa: UP045
+    # parameters whose optimizer state norms are logged (opt/<name>/exp_avg_norm, ...: Adam's moments)
+    optimizer: Optional[str] = None  # noqa: UP045
+    # e.g. 're:^blocks\.\d+': also one norm per group of parameters ({grad,param,update}/group/<g>/norm)
+    group_by: Optional[str] = None  # noqa: UP045
 
 
 @dataclass
@@ -107,12 +136,15 @@ class LoggerConfig:
 
 @dataclass
 class ReproConfig:
-    deterministic: bool = False
+    deterministic: bool = False  # true: torch.use_deterministic_algorithms(True)
 
 
 @dataclass
 class HookexpConfig:
-    seed: int = 0
+    """The whole config. Every default of every typed key is written here, once; the yaml files of ``conf/`` hold
+    the group choices and only what an option changes (``python -m hookexp --cfg job`` prints the result)."""
+
+    seed: int = 0  # seeds python, numpy and torch
     model: dict[str, Any] = MISSING
     task: dict[str, Any] = MISSING
     # the data options differ in their keys (path, p, root, ...): checked by hookexp.run.loaders.check_data_config
@@ -128,7 +160,13 @@ class HookexpConfig:
     stats: StatsConfig = field(default_factory=StatsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     repro: ReproConfig = field(default_factory=ReproConfig)
-    resume: Any = None  # true: continue from this run directory's checkpoint; or a checkpoint / run dir path
+    # true: continue this run directory's checkpoint (same hydra.run.dir); or a checkpoint / run dir path
+    resume: Any = None
+    # The sweep objective: the metric each job returns to the sweeper (Optuna), from its summary.json, negated
+    # when lower is better (a name ending in loss, ppl, perplexity or mse: hookexp.goals), so that a sweeper
+    # always maximizes. null: val/acc when the task logs it, else val/loss. A name the task does not log is
+    # refused before the job trains, e.g. optimized_metric=val/loss or optimized_metric=val/acc_best.
+    optimized_metric: Optional[str] = None  # noqa: UP045
 
 
 # Keys that may be added on the command line with `+key=value` (they are not part of the schema).

@@ -1,5 +1,5 @@
 """Which way a metric should move, and targets on it: one rule for the run summary's ``*_best``, the report's
-``--reach``, its plots' log axes and ``trainer.stop_when``.
+``--reach``, its plots' log axes, ``trainer.stop_when`` and the sweep objective (``optimized_metric``).
 
 A metric whose name ends in loss, ppl, perplexity or mse falls as training succeeds; every other one rises.
 """
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from hookexp.errors import ConfigError
+from hookexp.errors import ConfigError, did_you_mean
 
 LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "mse")
 
@@ -54,3 +56,26 @@ class Reach:
 
     def __str__(self) -> str:
         return f"{self.metric}{self.op}{self.value:g}"
+
+
+def objective(name: str | None, logged: Sequence[str]) -> str:
+    """The metric a sweep optimizes (config key ``optimized_metric``): ``name``, or when it is null ``val/acc`` if
+    the task logs it, else ``val/loss``. ``logged``: the task's ``train/`` and ``val/`` metrics; a ``val/`` one may
+    also be named as its summary's ``*_best``. Any other name is refused, with did-you-mean."""
+    if name is None:
+        return "val/acc" if "val/acc" in logged else "val/loss"
+    known = [*logged, *(f"{m}_best" for m in logged if m.startswith("val/"))]
+    if str(name) not in known:
+        raise ConfigError(f"{name!r} is not a metric this task logs.{did_you_mean(str(name), known)} A sweep can "
+                          f"optimize one of: {', '.join(known)}; or set it to null (val/acc when the task logs it, "
+                          "else val/loss).", key="optimized_metric")
+    return str(name)
+
+
+def objective_value(metric: str, summary: Mapping[str, Any]) -> float | None:
+    """What a job returns to the sweeper: ``metric``'s value in the run summary, negated when lower is better, so
+    that a sweeper always maximizes; None when the summary has no number for it."""
+    value = summary.get(metric)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return -float(value) if lower_is_better(metric) else float(value)

@@ -396,3 +396,66 @@ def test_the_resume_command_keeps_where_the_configs_came_from():
     args = ["--config-dir", "mine", "model=nanogpt", "hydra.searchpath=[file://extra]", "-cn=other", "seed=3",
             "hydra.run.dir=run"]
     assert config_sources(args) == ["--config-dir", "mine", "hydra.searchpath=[file://extra]", "-cn=other"]
+
+
+def test_the_private_hydra_api_hookexp_uses_is_there_on_the_installed_hydra():
+    """Each private Hydra function hookexp uses, run on the installed hydra-core; if a release moved one, this
+    fails with hookexp's message naming the version (and so does every run, before it starts)."""
+    import hydra
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from hookexp.cli import hydra_private
+    from hookexp.errors import HookexpError
+
+    try:
+        with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            parsed, repo = hydra_private("config_repository")(loader, "config", ["hooks=clamp_conv"])
+            assert [o.input_line for o in parsed] == ["hooks=clamp_conv"]
+            assert list(repo.load_config("hooks/clamp_conv").config) == ["clamp_conv"]
+        cfg = OmegaConf.create({"trainer": {"epochs": 1}})
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        hydra_private("apply_overrides")(OverridesParser.create().parse_overrides(["trainer.epochs=3"]), cfg)
+        assert cfg.trainer.epochs == 3
+    except HookexpError as e:
+        pytest.fail(f"hydra-core {hydra.__version__}: {e}")
+
+
+def test_a_private_hydra_function_that_moved_names_the_hydra_version(monkeypatch):
+    import hydra
+
+    from hookexp import cli
+    from hookexp.errors import HookexpError
+
+    module, cls, _, params = cli.HYDRA_PRIVATE["apply_overrides"]
+    monkeypatch.setitem(cli.HYDRA_PRIVATE, "apply_overrides", (module, cls, "_apply_overrides_to_cfg", params))
+    with pytest.raises(HookexpError) as e:
+        cli.hydra_private("apply_overrides")
+    assert str(e.value) == (
+        "hookexp uses Hydra's private hydra._internal.config_loader_impl.ConfigLoaderImpl._apply_overrides_to_cfg("
+        f"overrides, cfg), which hydra-core {hydra.__version__} does not have (a Hydra release moved it). hookexp "
+        "supports hydra-core>=1.3.2,<1.4: pip install 'hydra-core>=1.3.2,<1.4'.")
+    monkeypatch.setitem(cli.HYDRA_PRIVATE, "apply_overrides", (module, cls, "_apply_overrides_to_config", ("cfg",)))
+    with pytest.raises(HookexpError, match=rf"which hydra-core {re.escape(hydra.__version__)} does not have"):
+        cli.hydra_private("apply_overrides")  # there, but with other parameters
+
+
+def test_private_hydra_is_used_only_through_hydra_private_and_pyproject_states_the_versions():
+    import tomllib
+
+    from hookexp.cli import HYDRA_PRIVATE, HYDRA_SUPPORTED
+
+    root = Path(__file__).parents[1]
+    names = {"hydra._internal", *(attr for _, _, attr, _ in HYDRA_PRIVATE.values())}
+    for path in (root / "hookexp").rglob("*.py"):
+        text = path.read_text()
+        for name in names:
+            if path.name == "cli.py":  # once per entry of the HYDRA_PRIVATE table, nowhere else
+                assert text.count(name) == sum(name in str(entry) for entry in HYDRA_PRIVATE.values()), name
+            else:
+                assert name not in text, (path, name)
+    requirements = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"hydra-core{HYDRA_SUPPORTED}" in requirements

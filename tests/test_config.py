@@ -117,6 +117,94 @@ def test_every_option_of_plain_groups_composes(group):
         assert OmegaConf.to_container(cfg, resolve=True)[group]
 
 
+# The typed keys of every composed config as they were when the defaults were still repeated in conf/trainer,
+# conf/stats and conf/guard (issue 26): written out here so that moving a default (into hookexp/config.py or
+# anywhere else) cannot silently change it. DEFAULTS: what the main config has; CHANGED: what an option changes.
+DEFAULTS = {
+    "seed": 0, "resume": None, "optimized_metric": None, "repro.deterministic": False,
+    "trainer.epochs": None, "trainer.max_steps": None, "trainer.accumulate": 1, "trainer.clip_grad_norm": None,
+    "trainer.eval_every": None, "trainer.eval_every_epochs": 1, "trainer.stop_when": None, "trainer.device": "auto",
+    "trainer.num_threads": 1, "trainer.progress": True, "trainer.save_records": True, "trainer.precision": "fp32",
+    "trainer.compile": False, "trainer.compile_backend": "inductor", "trainer.checkpoint_every": None,
+    "trainer.strategy": "auto", "trainer.fsdp.wrap": "@blocks", "trainer.fsdp.reshard_after_forward": True,
+    "guard.nan_policy": "raise", "guard.spike.metric": None, "guard.spike.window": 20, "guard.spike.threshold": 3.0,
+    "guard.spike.min_value": 0.0, "guard.spike.steps": 10, "guard.spike.record": [], "guard.spike.checkpoint": True,
+    "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
+    "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
+    "logger.backend": "wandb", "logger.mode": "offline", "logger.project": "hookexp", "logger.entity": None,
+    "logger.group": None, "logger.job_type": "train", "logger.name": None, "logger.tags": [],
+    "logger.init_timeout": 30.0, "logger.quiet": True,
+}
+CHANGED = {
+    "logger=none": {"logger.backend": "none", "logger.mode": "disabled"},
+    "experiment=coord_check": {
+        "trainer.max_steps": 4, "trainer.progress": False, "stats.every": 1, "stats.grads": None,
+        "stats.activations": r"re:^(fc\d+|embed|blocks\.\d+|blocks\.\d+\.attn|blocks\.\d+\.mlp|head)$",
+        "logger.backend": "none", "logger.mode": "disabled", "logger.group": "coord_check"},
+    "experiment=dead_relu_clamp": {"stats.every": 5, "logger.group": "dead_relu_clamp", "logger.tags": ["study"]},
+    "experiment=grad_noise_deep_mlp": {"trainer.epochs": 20, "logger.group": "grad_noise_deep_mlp",
+                                       "logger.tags": ["study"]},
+    "experiment=grokfast": {"trainer.epochs": 1000, "trainer.stop_when": "val/acc=0.95", "trainer.progress": False,
+                            "logger.group": "grokfast", "logger.tags": ["study"]},
+    "experiment=grokking_weight_decay": {
+        "trainer.epochs": 15000, "trainer.eval_every": 100, "trainer.eval_every_epochs": 0, "trainer.progress": False,
+        "stats.every": 100, "stats.params": "*", "stats.group_by": r"re:^(blocks\.\d+|embed|pos_embed|head)",
+        "logger.group": "grokking_weight_decay", "logger.tags": ["study"]},
+    "experiment=seed_hooks": {"logger.group": "seed_hooks", "logger.tags": ["study"]},
+    "sweep=optuna_lr": {"trainer.epochs": 5},
+}
+TOP_LEVEL = ["seed", "model", "task", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger",
+             "repro", "resume", "optimized_metric"]
+
+
+def flatten(node: dict, prefix: str = "") -> dict:
+    """A nested mapping as ``{dotted.key: value}``; an empty mapping is a value."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def typed_values(cfg) -> dict:
+    """The composed config's typed keys (DEFAULTS' keys), flattened."""
+    container = OmegaConf.to_container(cfg)
+    return flatten({key: container[key] for key in ("seed", "resume", "optimized_metric", "repro", "trainer", "guard",
+                                                    "stats", "logger")})
+
+
+ALL_OPTIONS = ["", *(f"{g}={o}" for g in (*GROUPS, "sweep") for o in options(g)),
+               *(f"+{g}={o}" for g in ("grokfast_filter", "parametrization") for o in options(g))]
+
+
+@pytest.mark.parametrize("override", ALL_OPTIONS)
+def test_every_option_of_every_group_composes_to_the_values_it_had(override):
+    if override.startswith("sweep=") and not has_module("hydra_plugins.hydra_optuna_sweeper"):
+        pytest.skip("extra .[sweeps] not installed")
+    cfg = compose("config", overrides=[override] if override else [])
+    assert list(cfg) == TOP_LEVEL  # --cfg job prints the keys in this order
+    assert typed_values(cfg) == {**DEFAULTS, **CHANGED.get(override, {})}
+
+
+def test_the_fixture_names_only_options_that_exist():
+    assert set(CHANGED) <= set(ALL_OPTIONS)
+
+
+@pytest.mark.parametrize("path", ["config.yaml", *(f"{g}/{o}.yaml" for g in ("trainer", "stats", "guard")
+                                                  for o in options(g))])
+def test_typed_options_hold_only_what_differs_from_the_schema(path):
+    """Defaults live in hookexp/config.py: a yaml option that repeats one (or its comment) is a second copy."""
+    import yaml
+
+    written = yaml.safe_load((resources.files("hookexp.conf") / path).read_text()) or {}
+    written = {k: v for k, v in written.items() if k not in ("defaults", "hydra")}
+    repeated = {key: value for key, value in flatten(written, path.split("/")[0] + "." if "/" in path else "").items()
+                if key in DEFAULTS and value == DEFAULTS[key]}
+    assert not repeated, f"{path} repeats defaults of hookexp/config.py: {repeated}"
+
+
 def test_a_bad_logger_mode_composes_but_is_refused_before_anything_runs():
     from hookexp import ConfigError
     from hookexp.sinks import check_logger

@@ -370,3 +370,27 @@ def test_the_same_overrides_in_another_order_are_one_group_named_as_given(tmp_pa
     assert [g.name for g in groups] == ["hooks=ema", "hooks=ma"] and len(groups[0].jobs) == 2
     _, groups, _ = report([tmp_path / "b", tmp_path / "b" / "0"], out_dir=tmp_path / "out")  # a job given twice
     assert sum(len(g.jobs) for g in groups) == 2
+
+
+@pytest.mark.parametrize(("metric", "lower"), [("val/perplexity", True), ("val/token_loss", True), ("val/loss", True),
+                                               ("val/acc", False), ("val/f1", False)])
+def test_the_summary_best_and_the_report_rank_a_metric_alike(tmp_path, metric, lower):
+    """One direction rule (hookexp.goals) for the run summary's ``*_best`` and the report: val/perplexity and
+    val/token_loss were ranked as rising by the summary's old exact-name rule and as falling by the report's."""
+    from hookexp.plots import log_y
+    from hookexp.run.loop import summarize
+
+    values = [8.0, 3.0, 5.0]
+    job = write_job(tmp_path / "sweep" / "0", ["seed=0"], [{"trainer/step": s, metric: v}
+                                                          for s, v in zip((10, 20, 30), values, strict=True)], None)
+    (job / "summary.json").write_text(json.dumps({**summarize(job / "metrics.jsonl"), "status": "finished"}))
+    best = 3.0 if lower else 8.0
+    assert json.loads((job / "summary.json").read_text())[f"{metric}_best"] == best
+    target = 1.0 if lower else 10.0  # never reached: the report shows the best value the job got
+    markdown, _, _ = report([tmp_path / "sweep"], metrics=(f"{metric}_best",), curves=(metric,),
+                            reach=[f"{metric}={target}"])
+    assert f"steps to {metric}{'<=' if lower else '>='}{target:g} |" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| (common overrides only) | 0 |"))
+    assert row.endswith(f"| never (best {best:g}) |")
+    assert f"| (common overrides only) | 1 | {best:.4f} |" in markdown  # the summary's *_best, as the report shows it
+    assert log_y(metric) is lower

@@ -123,6 +123,40 @@ def test_optuna_sweep_of_four_trials(workdir):
     assert len(values) == 4 and results["best_value"] == max(values)
 
 
+@pytest.mark.skipif(not has_module("hydra_plugins.hydra_optuna_sweeper"), reason="extra .[sweeps] not installed")
+def test_optuna_sweep_optimizes_the_configured_metric_in_its_direction(workdir):
+    done = run_cli(["-m", "sweep=optuna_lr", "hydra.sweeper.n_trials=3", "trainer.max_steps=6", "logger=none",
+                    "optimized_metric=val/loss", "hydra.sweep.dir=opt"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = yaml.safe_load((workdir / "opt" / "optimization_results.yaml").read_text())
+    losses = [json.loads(p.read_text())["val/loss"] for p in (workdir / "opt").glob("*/summary.json")]
+    assert len(losses) == 3 and results["best_value"] == -min(losses)  # lower is better: the lowest loss wins
+
+
+def test_the_sweep_objective_and_its_direction():
+    from hookexp.goals import objective, objective_value
+    from hookexp.run.build import logged_metrics
+    from hookexp.tasks import CausalLM, Classification, Regression
+
+    assert objective(None, logged_metrics(Classification())) == "val/acc"
+    assert objective(None, logged_metrics(Regression())) == "val/loss"  # no val/acc: today's -val/loss
+    assert objective("val/ppl", logged_metrics(CausalLM())) == "val/ppl"
+    assert objective("val/acc_best", logged_metrics(Classification())) == "val/acc_best"
+    summary = {"val/acc": 0.75, "val/loss": 0.5, "val/ppl": 4.0, "val/acc_best": 0.875, "status": "finished"}
+    assert [objective_value(m, summary) for m in ("val/acc", "val/loss", "val/ppl", "val/acc_best", "val/mse")] == \
+        [0.75, -0.5, -4.0, 0.875, None]
+
+
+def test_an_unknown_optimized_metric_is_refused_before_training(workdir):
+    done = run_cli(["optimized_metric=val/accuracy", "trainer.max_steps=2", "logger=none", "hydra.run.dir=r"],
+                   workdir)
+    assert done.returncode == 2
+    assert ("hookexp: error: optimized_metric: 'val/accuracy' is not a metric this task logs. Did you mean 'val/acc'"
+            in done.stderr), done.stderr[-2000:]
+    assert "val/loss, val/acc, train/loss, train/acc, val/loss_best, val/acc_best" in done.stderr
+    assert not (workdir / "r").exists()
+
+
 @pytest.mark.skipif(not has_module("hydra_plugins.hydra_joblib_launcher"), reason="extra .[sweeps] not installed")
 @pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow
 def test_joblib_launcher_runs_two_jobs_with_wandb_offline(workdir):

@@ -139,14 +139,19 @@ def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
     return task
 
 
+def logged_metrics(task: Task) -> list[str]:
+    """The metrics the task logs for every rank alike: ``val/<name>`` and ``train/<name>``."""
+    names = task.finish(dict.fromkeys(task.metric_names, 1.0))
+    return [f"{split}/{name}" for split in ("val", "train") for name in names]
+
+
 def stop_goal(cfg: DictConfig, task: Task) -> Reach | None:
     """``trainer.stop_when`` as a target on a ``train/`` or ``val/`` metric of the task: values every rank has
     the same of (summed over the ranks), so that every rank stops at the same step."""
     if not cfg.trainer.stop_when:
         return None
     goal = Reach.parse(cfg.trainer.stop_when, "trainer.stop_when")
-    logged = [f"{split}/{name}" for split in ("val", "train")
-              for name in task.finish(dict.fromkeys(task.metric_names, 1.0))]
+    logged = logged_metrics(task)
     if goal.metric not in logged:
         raise ConfigError(f"{goal.metric!r} is not a metric of this task.{did_you_mean(goal.metric, logged)} A run "
                           f"can stop on what the task logs for every rank alike: {', '.join(logged)}.",

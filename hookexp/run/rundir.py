@@ -28,7 +28,7 @@ RESULTS = ("metrics.jsonl", "histograms.jsonl", "spikes.jsonl", "summary.json", 
 # Config keys a resumed run may change: how long, where and how verbosely it runs, not what it computes.
 RESUMABLE_CHANGES = ("trainer.max_steps", "trainer.epochs", "trainer.progress", "trainer.checkpoint_every",
                      "trainer.device", "trainer.num_threads", "trainer.save_records", "data.num_workers",
-                     "trainer.stop_when", "hydra.searchpath", "logger.", "resume")
+                     "trainer.stop_when", "hydra.searchpath", "logger.", "resume", "optimized_metric")
 
 
 
