@@ -57,17 +57,17 @@ class TrainerConfig:
     # value: "trainer.stop_when='val/acc=0.95'")
     stop_when: Optional[str] = None  # noqa: UP045
     device: str = "auto"  # auto (cuda if available, else mps, else cpu) | cpu | cuda | cuda:N | mps
-    # torch's intra-op CPU threads; null: one per core (README "CPU threads")
+    # torch's intra-op CPU threads; null: one per core (docs/training.md, "CPU threads")
     num_threads: Optional[int] = 1  # noqa: UP045
     progress: bool = True  # a tqdm progress bar on stderr
     save_records: bool = True  # `record` transforms: save what they kept to records/<spec>.pt
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 uses a GradScaler, unscaled before pre_step hooks)
     compile: bool = False  # torch.compile the model, after the hooks are attached (they keep working)
     compile_backend: str = "inductor"  # torch.compile's backend
-    # steps between checkpoints (checkpoints/last.pt); SIGTERM/SIGINT always save one
+    # steps between checkpoints (checkpoints/last.pt), and the last step; SIGTERM/SIGINT always save one
     checkpoint_every: Optional[int] = None  # noqa: UP045
     # auto: one process, or DDP under torchrun | ddp | fsdp (FSDP2: shard parameters, gradients and optimizer
-    # state over the ranks; README "Going past one machine")
+    # state over the ranks; docs/scale.md, "Going past one machine")
     strategy: str = "auto"
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
@@ -123,13 +123,15 @@ class LoggerConfig:
     # the backend (hookexp.sinks.Sink): hookexp.sinks.WandbSink | hookexp.sinks.TensorBoardSink | null (none);
     # local files are always written. The keys below are W&B's; a backend gets those its constructor names.
     _target_: Optional[str] = "hookexp.sinks.WandbSink"  # noqa: UP045
+    # offline needs no account and writes the run under the run directory (wandb/offline-run-*); `wandb sync`
+    # uploads it later. online: log live. disabled: no W&B. WANDB_MODE in the environment wins over this.
     mode: str = "offline"  # offline | online | disabled
     project: str = "hookexp"
     entity: Optional[str] = None  # noqa: UP045
-    group: Optional[str] = None  # noqa: UP045
+    group: Optional[str] = None  # noqa: UP045 - e.g. the study name, to group an ablation's runs
     job_type: str = "train"
-    name: Optional[str] = None  # noqa: UP045
-    tags: list[str] = field(default_factory=list)
+    name: Optional[str] = None  # noqa: UP045 - null: W&B picks a name
+    tags: list[str] = field(default_factory=list)  # the names of the enabled hooks are added
     init_timeout: float = 30.0  # seconds to reach the W&B server in online mode before logging offline
     quiet: bool = True  # W&B's quiet setting: no history and summary printed at the end of each run
 

@@ -131,16 +131,18 @@ DEFAULTS = {
     "guard.spike.min_value": 0.0, "guard.spike.steps": 10, "guard.spike.record": [], "guard.spike.checkpoint": True,
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
-    "logger.backend": "wandb", "logger.mode": "offline", "logger.project": "hookexp", "logger.entity": None,
+    "logger._target_": "hookexp.sinks.WandbSink", "logger.mode": "offline", "logger.project": "hookexp",
+    "logger.entity": None,
     "logger.group": None, "logger.job_type": "train", "logger.name": None, "logger.tags": [],
     "logger.init_timeout": 30.0, "logger.quiet": True,
 }
 CHANGED = {
-    "logger=none": {"logger.backend": "none", "logger.mode": "disabled"},
+    "logger=none": {"logger._target_": None, "logger.mode": "disabled"},
+    "logger=tensorboard": {"logger._target_": "hookexp.sinks.TensorBoardSink"},
     "experiment=coord_check": {
         "trainer.max_steps": 4, "trainer.progress": False, "stats.every": 1, "stats.grads": None,
         "stats.activations": r"re:^(fc\d+|embed|blocks\.\d+|blocks\.\d+\.attn|blocks\.\d+\.mlp|head)$",
-        "logger.backend": "none", "logger.mode": "disabled", "logger.group": "coord_check"},
+        "logger._target_": None, "logger.mode": "disabled", "logger.group": "coord_check"},
     "experiment=dead_relu_clamp": {"stats.every": 5, "logger.group": "dead_relu_clamp", "logger.tags": ["study"]},
     "experiment=grad_noise_deep_mlp": {"trainer.epochs": 20, "logger.group": "grad_noise_deep_mlp",
                                        "logger.tags": ["study"]},
