@@ -48,12 +48,10 @@ from hookexp.engine import match, output_hooks
 from hookexp.errors import ConfigError
 from hookexp.telemetry.observer import Observer
 from hookexp.telemetry.readback import Pending
-from hookexp.telemetry.stats import STATS, TensorStats, norms
+from hookexp.telemetry.stats import ACTIVATION_STATS, GRADIENT_STATS, STATS, TensorStats, norms
 
-ACT_STATS = ("mean", "std", "abs_mean", "kurtosis", "frac_zero")
-GRAD_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
-_ACT_DROPPED = tuple(f"/{s}" for s in STATS if s not in ACT_STATS)  # what activations do not log
-_GRAD_DROPPED = tuple(f"/{s}" for s in STATS if s not in GRAD_STATS)  # what gradients do not log
+_ACT_DROPPED = tuple(f"/{s}" for s in STATS if s not in ACTIVATION_STATS)  # what activations do not log
+_GRAD_DROPPED = tuple(f"/{s}" for s in STATS if s not in GRADIENT_STATS)  # what gradients do not log
 
 
 _TRAINER_KEYS = {"optimizer_state": "stats.optimizer", "optimizer": "Probes(optimizer=...)"}

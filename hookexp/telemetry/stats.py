@@ -60,6 +60,10 @@ from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.readback import Pending, wide_dtype
 
 STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg", "abs_mean", "kurtosis")
+# what each family of the probes logs (hookexp.telemetry.probes): a new statistic is its column below, its line in
+# _decode, and its name here — this file and its test
+ACTIVATION_STATS = ("mean", "std", "abs_mean", "kurtosis", "frac_zero")
+GRADIENT_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
 COLUMNS = 10  # per row, tensor or rank: elements, sum, squared deviations, zeros, negatives, min, max, sum of |x|,
 #              cubed and 4th-power deviations
 
