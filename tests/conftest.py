@@ -12,6 +12,8 @@ import pytest
 import torch
 
 TESTS = Path(__file__).parent
+HELPERS = TESTS / "helpers"  # modules the tests import (user transforms, models) and scripts they run
+sys.path.insert(0, str(HELPERS))
 
 
 def config(*overrides: str):
@@ -25,8 +27,8 @@ def config(*overrides: str):
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
-    """``python -m hookexp ARGS`` in ``cwd``; tests/ is on PYTHONPATH for the user transforms."""
-    base = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
+    """``python -m hookexp ARGS`` in ``cwd``; tests/helpers is on PYTHONPATH for the user transforms."""
+    base = {**os.environ, "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
     base.pop("WANDB_MODE", None)
     env = {**base, **(env or {})}
     flags = [a for a in args if a.startswith("-")]  # -m and friends go before the overrides

@@ -3,7 +3,7 @@
 A command runs once over README.md and the pages (in the nav's order; the first place it appears runs it),
 shortened to two steps (docblocks.SHORT), in a fresh directory that holds a copy of README.md (the examples'
 small text corpus) and with W&B disabled. Blocks marked ``<!-- test: skip: REASON -->`` need a GPU, a cluster
-or a network, or are run with their files by tests/test_readme.py; see tests/docblocks.py for the markers.
+or a network, or are run with their files by tests/test_readme.py; see tests/helpers/docblocks.py for the markers.
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ def test_your_own_model_data_and_loss_runs_as_the_readme_shows(tmp_path: Path):
 
 
 def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path: Path):
-    """Issue 27.22: nanoGPT's GPT (tests/nanogpt.py as the user's model.py), trained with the README's command
+    """Issue 27.22: nanoGPT's GPT (tests/helpers/nanogpt.py as the user's model.py), trained with the README's command
     (smaller); its losses, gradients and hook effects equal those of the adapter a user had to write before (the
     whole logits, under task=causal_lm), step for step."""
-    from conftest import TESTS, read_jsonl
+    from conftest import HELPERS, TESTS, read_jsonl
     from hydra import compose, initialize_config_module
 
     from hookexp.run.loop import train
@@ -54,7 +54,7 @@ def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path:
     assert set(files) == {"myconf/model/nanogpt.yaml"}
     (tmp_path / "myconf" / "model").mkdir(parents=True)
     (tmp_path / "myconf" / "model" / "nanogpt.yaml").write_text(files["myconf/model/nanogpt.yaml"])
-    (tmp_path / "model.py").write_text((TESTS / "nanogpt.py").read_text())
+    (tmp_path / "model.py").write_text((HELPERS / "nanogpt.py").read_text())
     (tmp_path / "input.txt").write_text((TESTS / "conftest.py").read_text() * 2)
     (command,) = [line for lang, body in blocks(text) if lang == "bash" for line in body.splitlines() if line]
     small = ["model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=32", "data.block_size=17",

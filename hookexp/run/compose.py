@@ -1,5 +1,5 @@
 """Composing a run's config with Hydra: the checks Hydra has no hook for, and the only place hookexp touches
-Hydra's private API (:func:`hydra_private`, tested on the installed Hydra by tests/test_cli.py).
+Hydra's private API (:func:`hydra_private`, tested on the installed Hydra by tests/run/test_cli.py).
 
 Imports Hydra and OmegaConf only (no torch): the CLI calls it before a run starts, and
 :func:`hookexp.run.compose` (the Python API) as well.
@@ -72,7 +72,7 @@ def unknown_keys_as_additions() -> Iterator[None]:
 
 # Hydra's private API, the two pieces hookexp needs: the config repository a set of overrides composes from
 # (check_hook_files reads the selected hook files), and where overrides are applied (unknown_keys_as_additions).
-# They are read and replaced only through hydra_private; tests/test_cli.py runs it on the installed Hydra.
+# They are read and replaced only through hydra_private; tests/run/test_cli.py runs it on the installed Hydra.
 HYDRA_PRIVATE = {  # name: (module, class, attribute, its parameters)
     "config_repository": ("hydra._internal.config_loader_impl", "ConfigLoaderImpl",
                           "_parse_overrides_and_create_caching_repo", ("self", "config_name", "overrides")),

@@ -44,7 +44,7 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 _GROUPS = itertools.count()  # process groups this process made (one per job of a multirun)
 
 # Hook kinds that cannot work on FSDP2's DTensor parameters, and what to use instead (every other kind was
-# checked against the unsharded model: tests/test_fsdp.py).
+# checked against the unsharded model: tests/run/test_fsdp.py).
 REFUSED_UNDER_FSDP = {
     "grad": ("FSDP2 replaces every parameter by a sharded DTensor, and Tensor.register_hook never fires on one "
              "(the gradient flows through the gathered copy, then is reduce-scattered into the shard)",

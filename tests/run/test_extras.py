@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, run_cli
+from conftest import HELPERS, run_cli
 
 from hookexp import ConfigError, HookexpError, MissingExtraError
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 EVERY_EXTRA = ("transformers", "datasets", "accelerate", "lightning", "optuna", "hydra_plugins", "submitit",
                "sqlalchemy", "pytest", "ruff", "torchvision")
 INSTALL = "(in a clone: .venv/bin/pip install -e '.[{0}]'; ./scripts/test.sh installs every extra)."
@@ -82,7 +82,7 @@ def test_the_main_job_needs_no_extra(tmp_path):
         "            raise ModuleNotFoundError(f'No module named {name!r} (blocked)', name=name)\n\n\n"
         "sys.meta_path.insert(0, Block())\n")
     done = run_cli(["hooks=clamp_conv", "trainer.max_steps=3", "hydra.run.dir=run"], tmp_path,
-                   env={"PYTHONPATH": f"{tmp_path / 'block'}{os.pathsep}{TESTS}"})
+                   env={"PYTHONPATH": f"{tmp_path / 'block'}{os.pathsep}{HELPERS}"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"status": "finished"' in (tmp_path / "run" / "summary.json").read_text()
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))  # W&B is a base dependency

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, config, read_jsonl
+from conftest import HELPERS, config, read_jsonl
 
 from hookexp.errors import ConfigError
 from hookexp.run.loop import train
@@ -20,7 +20,7 @@ SPIKE = ["guard.spike.metric=train/loss", "guard.spike.window=2", "guard.spike.t
 
 @pytest.fixture(autouse=True)
 def user_transforms(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.syspath_prepend(str(HELPERS))
 
 
 def test_a_spike_is_logged_every_step_recorded_checkpointed_and_written_with_its_batches(tmp_path: Path):

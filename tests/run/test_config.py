@@ -244,7 +244,7 @@ def test_every_experiment_composes_and_passes_the_dry_run(experiment):
 def test_there_are_three_studies_with_their_results():
     from pathlib import Path
 
-    root = Path(__file__).parents[1] / "experiments"
+    root = Path(__file__).parents[2] / "experiments"
     for study in options("experiment"):
         readme = (root / study / "README.md").read_text()
         assert "**Question.**" in readme and "**Reproduce**" in readme and f"experiment={study}" in readme
@@ -268,7 +268,7 @@ def test_every_package_and_config_folder_ships_in_the_wheel():
 
     import tomllib
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     code = {".".join(p.parent.relative_to(root).parts) for p in (root / "hookexp").rglob("__init__.py")}
     conf = {".".join(("hookexp", "conf", *p.parent.relative_to(root / "conf").parts))

@@ -1,4 +1,4 @@
-"""User transforms for the tests, importable as `user_transforms` (tests/ is on sys.path)."""
+"""User transforms for the tests, importable as `user_transforms` (tests/conftest.py puts tests/helpers on sys.path)."""
 
 import torch
 

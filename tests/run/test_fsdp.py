@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, config, read_jsonl, run_cli
+from conftest import HELPERS, TESTS, config, read_jsonl, run_cli
 from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, ConfigError, HookCompatibilityError
@@ -62,7 +62,7 @@ def without_timing(path: Path) -> list[dict]:
 def torchrun(args: list[str], cwd: Path, *, nodes: int = 1, timeout: int = 240) -> list[subprocess.CompletedProcess]:
     """``torchrun ... ARGS`` with 2 CPU ranks: one node with 2 processes, or 2 nodes (two torchrun agents on this
     machine, one process each) meeting at a c10d rendezvous, as on two machines."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         commands = [[*run, "--standalone", "--nproc_per_node=2", *args]]
@@ -80,7 +80,7 @@ def torchrun(args: list[str], cwd: Path, *, nodes: int = 1, timeout: int = 240) 
 
 
 # ----------------------------------------------------------------------------------------------------
-# Hook kinds on the sharded GPT against the unsharded one (tests/fsdp_worker.py, one torchrun launch).
+# Hook kinds on the sharded GPT against the unsharded one (tests/helpers/fsdp_worker.py, one torchrun launch).
 
 KINDS = ["forward_pre", "forward", "forward_on_unit", "output_grad", "backward", "backward_on_unit",
          "backward_pre_on_unit", "backward_legacy", "node", "node_pre_on_unit"]
@@ -90,7 +90,7 @@ PARAMETER_KINDS = ["post_accumulate_clamp", "post_accumulate_clip_norm", "pre_st
 @pytest.fixture(scope="module")
 def kinds(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("kinds") / "kinds.json"
-    (done,) = torchrun([str(TESTS / "fsdp_worker.py"), str(out)], out.parent)
+    (done,) = torchrun([str(HELPERS / "fsdp_worker.py"), str(out)], out.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -1,6 +1,6 @@
 """Run ``python -m hookexp`` with one fault injected, as the fault tests need a real process to kill.
 
-    python tests/fault_runner.py MODE [hookexp overrides...]
+    python tests/helpers/fault_runner.py MODE [hookexp overrides...]
 
 Modes:
 - ``kill_in_checkpoint:N``: the N-th checkpoint write stops halfway (SIGKILL): a torn temporary file is left.

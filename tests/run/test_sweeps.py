@@ -185,7 +185,7 @@ def test_slurm_launcher_config_composes():
 def test_the_command_a_wandb_agent_builds_runs(workdir):
     from wandb.sdk.launch.sweeps import utils as sweep_utils
 
-    spec = yaml.safe_load((Path(__file__).parents[1] / "sweeps" / "wandb_lr.yaml").read_text())
+    spec = yaml.safe_load((Path(__file__).parents[2] / "sweeps" / "wandb_lr.yaml").read_text())
     assert "${args_no_hyphens}" in spec["command"]
     # What wandb_agent.Agent._command_run does with a run the sweep controller proposes:
     proposed = {"args": {"optim.lr": {"value": 0.0123}, "seed": {"value": 2}}}

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl, run_cli, wandb_history, wandb_summary
+from conftest import HELPERS, read_jsonl, run_cli, wandb_history, wandb_summary
 
 from hookexp.errors import ConfigError
 
@@ -189,7 +189,7 @@ def test_the_resume_command_an_interrupted_run_prints_works(workdir):
                     f"resume=true hydra.run.dir={workdir / 'run'}")
     elsewhere = workdir / "elsewhere"
     elsewhere.mkdir()
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent), "WANDB_SILENT": "true"}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
     resumed = subprocess.run(shlex.split(hint.split("continue with: ")[1]), cwd=elsewhere, env=env,
                              capture_output=True, text=True, timeout=300)  # exactly the printed command
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -448,7 +448,7 @@ def test_private_hydra_is_used_only_through_hydra_private_and_pyproject_states_t
 
     from hookexp.run.compose import HYDRA_PRIVATE, HYDRA_SUPPORTED
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     names = {"hydra._internal", *(attr for _, _, attr, _ in HYDRA_PRIVATE.values())}
     for path in (root / "hookexp").rglob("*.py"):
         text = path.read_text()

@@ -1,6 +1,6 @@
 """Every hook kind on the package's GPT sharded with FSDP2, against the same model unsharded.
 
-    torchrun --nproc_per_node=2 tests/fsdp_worker.py OUT.json
+    torchrun --nproc_per_node=2 tests/helpers/fsdp_worker.py OUT.json
 
 Each rank trains a sharded copy (:func:`hookexp.run.distributed.shard`, ``blocks.N`` as units, then the root) on
 its half of every batch, with one hook set attached to the sharded model; rank 0 also trains the unsharded model
