@@ -10,7 +10,7 @@ Models (``--models``; steps per case, unless ``--steps`` gives one count for all
   small_cnn    the default small CNN on digits, SGD (300 steps)
   deep_mlp     an MLP of 32 linear layers of 64 units with LayerNorm, AdamW (300 steps)
   transformer  the small pre-norm encoder on digits (image rows as tokens), AdamW (200 steps)
-  gpt          causal LM: the package's GPT at d_model 256, 4 blocks, on this repository's README.md
+  gpt          causal LM: the package's GPT at d_model 256, 4 blocks, on benchmarks/corpus.txt
                (characters, windows of 128 tokens, batch 8), AdamW (60 steps)
   hf_gpt2      causal LM: a transformers GPT-2 built from a config (n_embd 256, 4 layers, 4 heads, random
                weights), same data and optimizer (60 steps; only when transformers imports)
@@ -77,7 +77,8 @@ from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
 from hookexp.run.loop import train
 
-README = Path(__file__).resolve().parents[1] / "README.md"  # the causal-LM cases' text
+# the causal-LM cases' text, fixed: the README of 2026-11-25 (58 KB), so that every table trains on the same text
+README = Path(__file__).resolve().parent / "corpus.txt"
 
 
 @dataclass(frozen=True)

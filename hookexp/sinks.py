@@ -659,7 +659,7 @@ class Sinks:
             sink.image(key, path, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {target: sink.resume_state() for target, sink in self.backends.items()}
+        return {target: getattr(sink, "resume_state", dict)() for target, sink in self.backends.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Nothing: a backend is given its kept state when it is made (:class:`RunInfo`, ``resume``)."""

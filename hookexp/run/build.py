@@ -32,7 +32,7 @@ from hookexp.tasks import Classification, Task
 
 log = logging.getLogger("hookexp.build")
 
-# torch's optimizer messages name their argument in words: which config key they are about
+
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch, and switch torch's deterministic algorithms on or off.
 
@@ -86,7 +86,7 @@ def set_threads(num_threads: int | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Instantiating config nodes with errors that name the key.
+# The parts of a run.
 
 
 def derived_from_examples(loaders: Loaders, task: Task) -> dict[str, Callable[[], tuple[Any, str]]]:

@@ -18,6 +18,7 @@ from hookexp.errors import ConfigError, did_you_mean
 
 log = logging.getLogger("hookexp.build")
 
+# torch's optimizer messages name their argument in words: which config key they are about
 _MESSAGE_KEYS = {"learning rate": "lr", "beta parameter": "betas", "epsilon": "eps", "momentum": "momentum",
                  "weight_decay": "weight_decay", "dampening": "dampening"}
 
@@ -192,7 +193,3 @@ def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) 
     for k in dropped:
         del out[k]
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# The parts of a run.

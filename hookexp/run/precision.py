@@ -10,7 +10,7 @@ import torch
 
 from hookexp.errors import ConfigError, did_you_mean
 
-log = logging.getLogger("hookexp.train")
+log = logging.getLogger("hookexp.build")  # where the fp16 warning was logged before precision had its module
 
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

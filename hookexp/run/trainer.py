@@ -100,8 +100,8 @@ class Trainer:
         loop, total, parts = self.loop, self.parts.total_steps, self.parts
         per_epoch, eval_every = parts.loaders.batches_per_epoch(), self.cfg.trainer.eval_every
         eval_epochs = self.cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full batch: one step an epoch)
-        bar = tqdm(total=total, initial=loop.step, disable=not self.cfg.trainer.progress, desc="train", unit="step",
-                   leave=False)
+        bar = self.bar = tqdm(total=total, initial=loop.step, disable=not self.cfg.trainer.progress, desc="train",
+                              unit="step", leave=False)
         batches = None
         parts.model.train()
         while loop.step < total:
@@ -190,6 +190,8 @@ class Trainer:
                         spike.metric, step, spike.value, spike.median, self.spikes.steps)
             self.sinks.spike(spike.row(self.period))
         self.period = []
+        if not self.bar.disable:
+            self.bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items() if k.startswith("train/")})
         return spike
 
     def check_goal(self, metrics: dict[str, Any], step: int) -> None:
@@ -279,14 +281,19 @@ class Trainer:
         if self.local is None:
             return NullSinks()
         target = self.cfg.logger.get("_target_")
-        kept = resumed.get("sinks", {}).get(target) if resumed is not None else None
+        # a run continued in its own directory continues its backend's run (W&B: the same run id); one continued
+        # into another directory (resume=PATH) starts a new one, so that the two never write into one
+        same_dir = self.ckpt.source_run_dir is not None and \
+            self.ckpt.source_run_dir.resolve() == self.run_dir.resolve()
+        kept = resumed.get("sinks", {}).get(target) if resumed is not None and same_dir else None
         run = RunInfo(self.run_dir, self.config_as_run(), self.hooks.table(),
                       int(resumed["loop"]["step"]) if resumed is not None else None, kept)
         backend = make_backend(self.cfg.logger, run)
         return Sinks(self.local, {target: backend} if backend is not None else None)
 
     def close(self, status: str) -> dict[str, Any]:
-        """One cleanup path, run with signals held (see Checkpointer.signals): records, files, plot, summary, W&B.
+        """One cleanup path, run with signals held (see Checkpointer.signals): records, files, plot, summary, the
+        logger backend.
 
         Each part runs even when one before it failed; the first failure is raised at the end unless an error
         from the loop is already on its way."""

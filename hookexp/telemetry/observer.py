@@ -29,7 +29,10 @@ from hookexp.telemetry.readback import Pending, read
 
 
 class Observer:
-    """One thing a training step is observed by. Every method is optional: the defaults do nothing."""
+    """One thing a training step is observed by. Every method is optional: the defaults do nothing.
+    ``optional_state``: a checkpoint written before this observer kept state may lack it."""
+
+    optional_state = False
 
     def start(self, step: int, log: bool) -> None:
         """Before step ``step``'s forward; ``log``: whether it is a log step."""
@@ -123,9 +126,13 @@ class Observers:
         return {name: state for name, o in self.named.items() if (state := o.state_dict())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Each observer's state by name; a missing one is a KeyError (a checkpoint of another kind), unless the
+        observer keeps none or says its state is optional."""
         for name, o in self.named.items():
             if name in state:
                 o.load_state_dict(state[name])
+            elif o.state_dict() and not o.optional_state:
+                raise KeyError(name)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -6,7 +6,8 @@ while it is on they keep what the log step describes:
 
 - ``grads``: each matched parameter's ``.grad`` right before ``optimizer.step()``: after accumulation,
   the DDP all-reduce, the AMP unscale and the ``pre_step`` specs, before ``trainer.clip_grad_norm``
-  (an optimizer step pre-hook registered after the specs' own);
+  (:class:`~hookexp.telemetry.observer.Observers` calls the observers in order from one optimizer step
+  pre-hook registered after the specs' own: the statistics, then the clip);
 - ``activations``: the output of each matched module in a training forward (its first tensor when it
   returns a tuple), through plain forward hooks (:func:`hookexp.engine.output_hooks`: no spec, nothing
   counted or listed) switched on for log steps; they are attached with the probes, so torch.compile sees

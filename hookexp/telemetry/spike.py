@@ -18,7 +18,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.observer import Observer
@@ -41,6 +41,8 @@ class SpikeRecorder(Observer):
     """The spike recorder (module docstring), an :class:`~hookexp.telemetry.observer.Observer`: it observes the
     log steps' metrics, and turns the ``record`` specs of the hooks given to :meth:`pause_records` on for a
     spike's window."""
+
+    optional_state: ClassVar[bool] = True  # checkpoints written before the spike recorder have no state for it
 
     metric: str | None = None
     window: int = 20

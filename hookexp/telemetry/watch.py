@@ -74,7 +74,6 @@ class Watch:
         self.every, self.step = every, step
         self._log = as_logger(log)
         self.last: dict[str, Any] = {}  # the metrics of the last log step
-        self.before_hook = before_hook
         # the hooks first: their pre_step specs run before the probes look at the gradients
         self.hooks = None
         if hooks:
