@@ -16,6 +16,23 @@ HELPERS = TESTS / "helpers"  # modules the tests import (user transforms, models
 sys.path.insert(0, str(HELPERS))
 
 
+def options(group: str) -> list[str]:
+    """The shipped options of a config group (conf/<group>/*.yaml), by name."""
+    from importlib import resources
+
+    folder = resources.files("hookexp.conf") / group
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+@pytest.fixture(scope="module")
+def hydra_conf():
+    """Hydra initialised on the package's configs, for a module's compose() calls."""
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        yield
+
+
 def config(*overrides: str):
     """The config ``python -m hookexp OVERRIDES`` composes, with W&B off and no progress bar: what the tests train
     in process with :func:`hookexp.run.loop.train`."""

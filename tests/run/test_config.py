@@ -7,8 +7,8 @@ from importlib import resources
 
 import pytest
 import torch
-from conftest import has_module
-from hydra import compose, initialize_config_module
+from conftest import has_module, options
+from hydra import compose
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -19,17 +19,7 @@ from hookexp.run.loop import check_hooks
 
 GROUPS = ("task", "model", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger", "experiment")
 CPU = torch.device("cpu")
-
-
-def options(group: str) -> list[str]:
-    folder = resources.files("hookexp.conf") / group
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hydra_conf():
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        yield
+pytestmark = pytest.mark.usefixtures("hydra_conf")  # conftest's: every test here composes
 
 
 def test_every_group_has_options():

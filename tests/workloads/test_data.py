@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import has_module
-from hydra import compose, initialize_config_module
+from conftest import has_module, options
+from hydra import compose
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
@@ -535,23 +535,14 @@ def test_token_windows_need_one_window():
 COMMON = {"batch_size", "eval_batch_size", "num_workers", "collate_fn", "dataset"}
 
 
-def data_options() -> list[str]:
-    folder = resources.files("hookexp.conf") / "data"
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-@pytest.fixture(scope="module")
-def hydra_conf():
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        yield
 
 
 def test_the_shipped_data_options():
-    assert data_options() == ["digits", "hf_disk", "modular_addition", "synthetic", "synthetic_regression",
+    assert options("data") == ["digits", "hf_disk", "modular_addition", "synthetic", "synthetic_regression",
                               "text_file", "torchvision"]
 
 
-@pytest.mark.parametrize("option", data_options())
+@pytest.mark.parametrize("option", options("data"))
 def test_every_data_key_is_commented_and_reaches_the_factory(option, hydra_conf):
     text = (resources.files("hookexp.conf") / "data" / f"{option}.yaml").read_text()
     top = [line for line in text.splitlines() if re.match(r"^[a-z_]+:", line)]

@@ -12,8 +12,8 @@ from importlib import resources
 
 import pytest
 import torch
-from conftest import has_module
-from hydra import compose, initialize_config_module
+from conftest import has_module, options
+from hydra import compose
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 
@@ -273,18 +273,9 @@ def fill(node: dict, info: dict) -> dict:
     return {k: fill(v, info) if isinstance(v, dict) else info[k] if v == "auto" else v for k, v in node.items()}
 
 
-def model_options() -> list[str]:
-    folder = resources.files("hookexp.conf") / "model"
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-@pytest.fixture(scope="module")
-def hydra_conf():
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        yield
-
-
-@pytest.mark.parametrize("option", model_options())
+@pytest.mark.parametrize("option", options("model"))
 def test_every_model_key_is_a_parameter_and_commented(option):
     text = (resources.files("hookexp.conf") / "model" / f"{option}.yaml").read_text()
     cfg = OmegaConf.to_container(OmegaConf.create(text))
