@@ -22,7 +22,7 @@ def compose(*overrides: str, config_dir: str | Path | None = None) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    from hookexp.run.compose import check_hook_files
+    from hookexp.run.hydra_api import check_hook_files
 
     extra = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"]
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):

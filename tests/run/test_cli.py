@@ -407,7 +407,7 @@ def test_the_private_hydra_api_hookexp_uses_is_there_on_the_installed_hydra():
     from omegaconf import OmegaConf
 
     from hookexp.errors import HookexpError
-    from hookexp.run.compose import hydra_private
+    from hookexp.run.hydra_api import hydra_private
 
     try:
         with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
@@ -428,7 +428,7 @@ def test_a_private_hydra_function_that_moved_names_the_hydra_version(monkeypatch
     import hydra
 
     from hookexp.errors import HookexpError
-    from hookexp.run import compose as cli
+    from hookexp.run import hydra_api as cli
 
     module, cls, _, params = cli.HYDRA_PRIVATE["apply_overrides"]
     monkeypatch.setitem(cli.HYDRA_PRIVATE, "apply_overrides", (module, cls, "_apply_overrides_to_cfg", params))
@@ -446,14 +446,14 @@ def test_a_private_hydra_function_that_moved_names_the_hydra_version(monkeypatch
 def test_private_hydra_is_used_only_through_hydra_private_and_pyproject_states_the_versions():
     import tomllib
 
-    from hookexp.run.compose import HYDRA_PRIVATE, HYDRA_SUPPORTED
+    from hookexp.run.hydra_api import HYDRA_PRIVATE, HYDRA_SUPPORTED
 
     root = Path(__file__).parents[2]
     names = {"hydra._internal", *(attr for _, _, attr, _ in HYDRA_PRIVATE.values())}
     for path in (root / "hookexp").rglob("*.py"):
         text = path.read_text()
         for name in names:
-            if path.name == "compose.py":  # once per entry of the HYDRA_PRIVATE table, nowhere else
+            if path.name == "hydra_api.py":  # once per entry of the HYDRA_PRIVATE table, nowhere else
                 assert text.count(name) == sum(name in str(entry) for entry in HYDRA_PRIVATE.values()), name
             else:
                 assert name not in text, (path, name)
