@@ -203,6 +203,7 @@ def test_a_layer_that_blew_up_fails_the_bound(tmp_path):
 
 
 @needs_mup
+@pytest.mark.slow  # a width sweep of 12 jobs; ./scripts/test.sh -m slow
 def test_the_preset_runs_sp_and_mup_at_tiny_widths_and_reports_their_slopes(tmp_path):
     out = run_cli(["-m", "experiment=coord_check", "+parametrization=sp,mup", "model.width=16,32",
                    "model.base_width=16", f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
