@@ -79,7 +79,8 @@ def test_each_command_is_run_once():
     assert len(runs) == len(set(runs)) and len(runs) >= 30
 
 
-HEAVY = {"sweeps.md", "training.md", "README.md", "runs.md", "models.md"}  # sweeps and full runs: the slow set (./scripts/test.sh -m slow)
+# sweeps and full runs: the slow set (./scripts/test.sh -m slow)
+HEAVY = {"sweeps.md", "training.md", "README.md", "runs.md", "models.md"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in HEAVY else [])
