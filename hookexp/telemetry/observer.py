@@ -84,11 +84,15 @@ class Observers:
                  before_hook: bool = True):
         self.named = dict(observers)
         self.log = False  # whether the current step logs
+        # only the observers that act around the update are called there, and no optimizer hook when none does
+        self._before = [o for o in self if type(o).before_update is not Observer.before_update]
+        self._after = [o for o in self if type(o).after_update is not Observer.after_update]
         self._handles: list[Any] = []
         if optimizer is not None:
-            if before_hook:
+            if before_hook and self._before:
                 self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_update()))
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_update()))
+            if self._after:
+                self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_update()))
 
     def __iter__(self) -> Any:
         return iter(self.named.values())
@@ -102,11 +106,11 @@ class Observers:
         return all([o.allow_update(loss, step) for o in self])  # every observer sees the step
 
     def before_update(self) -> None:
-        for o in self:
+        for o in self._before:
             o.before_update()
 
     def after_update(self) -> None:
-        for o in self:
+        for o in self._after:
             o.after_update()
 
     def read(self) -> dict[str, Any]:

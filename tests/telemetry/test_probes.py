@@ -182,3 +182,16 @@ def test_bad_settings_name_their_key():
         Probes(model, opt, updates="nothing_here")
     with pytest.raises(ConfigError, match=r"^Probes\(optimizer=\.\.\.\): .*pass the optimizer"):
         Probes(model, None, grads="*")
+
+
+def test_observers_hook_the_optimizer_only_for_observers_that_act_around_the_update():
+    from hookexp.telemetry.observer import Observer
+
+    model, opt = make("sgd")
+    quiet = Observers({"nothing": Observer()}, opt)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    _probes, observers = probes_on(model, opt, grads="*")
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    observers.close()
+    quiet.close()
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
