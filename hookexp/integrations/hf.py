@@ -19,11 +19,16 @@ One difference from the hookexp trainer: the Trainer clips the gradients (``max_
 before any callback or optimizer hook runs, so ``grad/*`` describe the clipped gradients and ``pre_step``
 specs see them (the Trainer logs the norm before its clip as ``grad_norm``). Set ``max_grad_norm=0`` and clip
 with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order.
+
+``guard={"spike": {"metric": "grad/global_norm"}, "forensics": {...}}`` (the trainer's ``guard.spike`` and
+``guard.forensics`` keys) adds the spike recorder and first-divergence forensics: each spike's row, with the
+targets that left their range first, is in ``callback.spikes`` and its heatmap in ``args.output_dir``/forensics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hookexp.errors import MissingExtraError
@@ -38,18 +43,22 @@ except ImportError as e:
 
 
 class HookexpCallback(TrainerCallback):
-    def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None, log: Any = None):
+    def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None, log: Any = None,
+                 guard: Mapping[str, Any] | None = None):
         self.hooks = hooks
-        self.stats = settings_from(stats)
+        self.stats = settings_from(stats, guard)
         self.log = as_logger(log)
         self.watch: Watch | None = None
+        self.spikes: list[dict[str, Any]] = []  # the spike recorder's rows (guard.spike), kept after the fit
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
         self._remove()
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        settings = {"forensics_dir": Path(args.output_dir) / "forensics", **self.stats}
         self.watch = Watch(model, inner, hooks=self.hooks, log=lambda metrics, step: self._log(state, metrics, step),
-                           step=state.global_step, **self.stats)
+                           step=state.global_step, **settings)
+        self.spikes = self.watch.spikes
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is not None:

@@ -15,11 +15,16 @@ index of the optimizer step described, counted by Lightning's ``global_step``. L
 ``optimizer.step(closure)`` runs the backward inside the closure, after torch's step pre-hooks, so the
 ``pre_step`` specs and the gradient probes run from ``on_before_optimizer_step`` instead, on the final
 gradients (before Lightning's gradient clipping), for the watched optimizer only.
+
+``guard={"spike": {"metric": "grad/global_norm"}, "forensics": {...}}`` (the trainer's ``guard.spike`` and
+``guard.forensics`` keys) adds the spike recorder and first-divergence forensics: each spike's row, with the
+targets that left their range first, is in ``callback.spikes`` and its heatmap in ``default_root_dir``/forensics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hookexp.errors import MissingExtraError
@@ -34,19 +39,23 @@ except ImportError as e:
 
 
 class HookexpCallback(Callback):
-    def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None):
+    def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None,
+                 guard: Mapping[str, Any] | None = None):
         self.hooks = hooks
-        self.stats = settings_from(stats)
+        self.stats = settings_from(stats, guard)
         self.watch: Watch | None = None
+        self.spikes: list[dict[str, Any]] = []  # the spike recorder's rows (guard.spike), kept after the fit
         self._optimizer: Any = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._remove()
         optimizer = trainer.optimizers[0]
         self._optimizer = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+        settings = {"forensics_dir": Path(trainer.default_root_dir) / "forensics", **self.stats}
         self.watch = Watch(pl_module, self._optimizer, hooks=self.hooks,
                            log=lambda metrics, step: self._log(trainer, metrics, step), step=trainer.global_step,
-                           before_hook=False, **self.stats)
+                           before_hook=False, **settings)
+        self.spikes = self.watch.spikes
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.watch is not None:

@@ -1,6 +1,6 @@
 """The trainer's observers (:mod:`hookexp.telemetry.observer`), built from the run's config, in the order a
 log step lists their values: the task's metrics, what the hooks did, the guard, the statistics probes, the
-gradient clip's norm, and the spike recorder.
+forensics ring buffer, the gradient clip's norm, and the spike recorder.
 
 Nothing runs, and nothing syncs, on steps that do not log (the guard aside, see
 :mod:`hookexp.telemetry.guard`). On a log step every observer hands over a device tensor and a decoder, and
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hookexp.engine import HookHandle
 from hookexp.errors import ConfigError
+from hookexp.telemetry.forensics import Forensics
 from hookexp.telemetry.guard import NonFiniteGuard
 from hookexp.telemetry.meter import TrainMeter
 from hookexp.telemetry.observer import Observer, Observers
@@ -92,7 +93,7 @@ def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scal
                                    check_grads=not grads_scaled, agree=agree)
         clip = cfg.trainer.clip_grad_norm
         named: dict[str, Observer] = {"meter": meter, "hooks": HookEffects(hooks), "guard": nonfinite,
-                                      "stats": probes, **({"clip": GradClip(model, clip)} if clip is not None else {})}
+                                      "stats": probes}
         rows = hooks.table()
         watchable = [*meter.keys(), *(["grad/global_norm"] if probes.grads else []),
                      *(["grad/pre_clip_norm"] if clip is not None else [])]
@@ -101,6 +102,13 @@ def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scal
             OmegaConf.to_container(spike, resolve=True) if isinstance(spike, DictConfig) else spike,
             [r["spec"] for r in rows if r["transform"] == "record" and r["enabled"]], [r["spec"] for r in rows],
             watchable)
+        forensics = guard.forensics
+        if forensics.window and (guard.nan_policy != "off" or recorder.enabled):
+            named["forensics"] = recorder.forensics = nonfinite.forensics = Forensics(
+                model, parts.optimizer, window=forensics.window, z=forensics.z, top=forensics.top,
+                updates=forensics.updates)
+        if clip is not None:
+            named["clip"] = GradClip(model, clip)  # after the statistics and forensics: they see unclipped gradients
     except BaseException:
         probes.close()
         raise

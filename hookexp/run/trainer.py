@@ -36,6 +36,7 @@ from hookexp.run.observers import trainer_observers
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
 from hookexp.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
+from hookexp.telemetry.forensics import draw
 from hookexp.telemetry.readback import split_histograms
 
 log = logging.getLogger("hookexp.train")
@@ -166,6 +167,8 @@ class Trainer:
         self.amp.unscale(optimizer)  # pre_step specs, the guard and the statistics see true gradients
         if observers.allow_update(loss, loop.step):
             self.amp.step(optimizer)  # the pre_step specs, then the observers' before_update (statistics, clip)
+        else:
+            self.draw_forensics()  # the guard skipped a non-finite step: forensics says where it came from
         if parts.scheduler is not None:
             parts.scheduler.step()
         self.hooks.set_step(loop.step + 1)  # the step the specs' schedules look at next, also after a skipped update
@@ -189,10 +192,19 @@ class Trainer:
             log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps",
                         spike.metric, step, spike.value, spike.median, self.spikes.steps)
             self.sinks.spike(spike.row(self.period))
+            self.draw_forensics()
         self.period = []
         if not self.bar.disable:
             self.bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items() if k.startswith("train/")})
         return spike
+
+    def draw_forensics(self) -> None:
+        """Each new forensics report as ``forensics/step_<N>.png``, also to the backends (rank 0)."""
+        forensics = self.observers.named.get("forensics")
+        for report in forensics.take_reports() if forensics is not None else []:
+            if self.local is not None and report.steps:
+                path = draw(report, self.run_dir / "forensics" / f"step_{report.step}.png")
+                self.sinks.image("forensics", path, report.step)
 
     def check_goal(self, metrics: dict[str, Any], step: int) -> None:
         goal = self.parts.goal
@@ -331,6 +343,7 @@ class Trainer:
             plot = attempt(plot_grad_norms, self.local.metrics_path, run_dir / "plots" / "grad_norms.png")
             if plot is not None:
                 attempt(self.sinks.image, "plots/grad_norms", plot, max(loop.step - 1, 0))
+        attempt(self.draw_forensics)  # a report the guard made as it stopped the run
         summary["signal"] = self.ckpt.signum  # also one that came during this shutdown (it did not cut it)
         attempt(self.sinks.finish, summary, status == "failed")
         attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier

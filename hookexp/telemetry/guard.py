@@ -12,7 +12,9 @@ norm overflows to inf for finite gradients of large magnitude (``optim.lr=1e10``
 - ``off``: nothing.
 
 The message names the step, the parameters (non-finite values first: where a NaN came in, not where it
-spread) and the hook specs that touch them, since a hook is a likely cause.
+spread) and the hook specs that touch them, since a hook is a likely cause. With forensics
+(:mod:`hookexp.telemetry.forensics`) it also names the first module whose output went non-finite and whether
+its input was finite (the producer) or not (a propagator); so does ``summary.json``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class NonFiniteGuard(Observer):
         self.skipped = 0
         self.warned = 0
         self._first: torch.Tensor | None = None  # the first non-finite step since the last log step (device)
+        self.forensics: Any = None  # a Forensics observer, asked where the first non-finite output came from
+        self.producer: dict[str, Any] | None = None  # its answer for the first non-finite step
 
     def allow_update(self, loss: torch.Tensor | None, step: int) -> bool:
         """True to take the optimizer step, False to skip it (``skip_step`` only)."""
@@ -131,13 +135,38 @@ class NonFiniteGuard(Observer):
         hooks = ", ".join(self.touching([b.split(" ")[0] for b in bad])) or "none"
         now = " (now)" if deferred else ""
         return (f"non-finite loss or gradient at step {step}: {loss_text}parameters{now}: {params or 'none'}; "
-                f"hooks touching them: {hooks}.")
+                f"hooks touching them: {hooks}.{self._where(step)}")
+
+    def _where(self, step: int) -> str:
+        """Forensics' answer: the first module whose output went non-finite, and whether its input was finite."""
+        if self.forensics is None:
+            return ""
+        if self.producer is not None:  # forensics looks at the first non-finite step only
+            first = self.producer
+            return f" The first non-finite module output was {first['module']}, at step {first['step']}."
+        report = self.forensics.report(step, "non-finite")
+        outputs = report.nonfinite_outputs()
+        if not outputs:
+            return " No module output was non-finite (the loss or a gradient went first)."
+        first = outputs[0]
+        finite = first.get("input") != "non-finite"
+        self.producer = {"module": first["target"], "step": first["step"], "inputs_finite": finite}
+        role = "its input finite: it produced the first non-finite value" if finite else \
+            "its input already non-finite: it propagated a non-finite value from outside any module"
+        after = [e["target"] for e in outputs[1:4]]
+        then = f"; then {', '.join(after)}" if after else ""
+        return f" First non-finite module output: {first['target']} at step {first['step']} ({role}){then}."
 
     def summary(self) -> dict[str, Any]:
-        return {"guard/skipped_steps": self.skipped, "guard/nonfinite_warnings": self.warned}
+        out: dict[str, Any] = {"guard/skipped_steps": self.skipped, "guard/nonfinite_warnings": self.warned}
+        if self.producer is not None:
+            out.update({"guard/first_nonfinite_module": self.producer["module"],
+                        "guard/first_nonfinite_step": self.producer["step"],
+                        "guard/first_nonfinite_inputs_finite": self.producer["inputs_finite"]})
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return self.summary()
+        return {"guard/skipped_steps": self.skipped, "guard/nonfinite_warnings": self.warned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped = int(state["guard/skipped_steps"])

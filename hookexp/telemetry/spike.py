@@ -5,7 +5,8 @@ compared with the median of its last ``window`` values: above ``threshold`` time
 ``min_value``) is a spike. Then, for the next ``steps`` steps, the run logs every step, the ``record``
 specs it names (hook specs with the ``record`` transform, idle until then) keep what they see, a
 checkpoint is saved, and a line goes to ``spikes.jsonl`` with the step, the value, the median and the
-steps since the previous log step with their epoch and batch indices (what to replay). Then back to
+steps since the previous log step with their epoch and batch indices (what to replay) and, with
+``guard.forensics``, the targets ranked by the step each left its range (``first``). Then back to
 normal. The median of a window, not a mean and a standard deviation: a converged loss's tiny noise is
 not a spike, and one spike does not hide the next. Every finite value enters the window (a spike's, and
 those logged in the steps after it), so the median follows a lasting change of level: one spike, not one
@@ -30,10 +31,12 @@ class Spike:
     metric: str
     value: float
     median: float
+    forensics: Any = None  # the forensics Report (hookexp.telemetry.forensics) when forensics is on
 
     def row(self, period: list[dict[str, Any]]) -> dict[str, Any]:
+        first = {"first": self.forensics.first} if self.forensics is not None else {}
         return {"trainer/step": self.step, "metric": self.metric, "value": self.value, "median": self.median,
-                "steps": period}
+                "steps": period, **first}
 
 
 @dataclass
@@ -55,6 +58,7 @@ class SpikeRecorder(Observer):
     until: int = -1  # the window after a spike: steps < until log every step
     found: int = 0
     hooks: Any = None  # the HookHandle whose record specs a spike turns on
+    forensics: Any = None  # a Forensics observer: a spike asks it which target left its range first
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None, record_specs: list[str], specs: list[str],
@@ -112,6 +116,8 @@ class SpikeRecorder(Observer):
             if value > self.threshold * median and value > self.min_value:
                 self.until, self.found = step + 1 + self.steps, self.found + 1
                 spike = Spike(step, self.metric, float(value), float(median))
+                if self.forensics is not None:
+                    spike.forensics = self.forensics.report(step, f"spike of {self.metric}")
         # every value enters the window, a spike's and those of the steps after it too: after a lasting rise (a
         # collapse, a new learning rate) the median moves up to the new level, and the rise is one spike
         self.history.append(float(value))

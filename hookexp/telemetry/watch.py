@@ -21,20 +21,29 @@ skips runs no optimizer hook and is not counted, unless the loop says where it i
 hold ``(counts, edges)``.
 Under DDP/FSDP every rank must watch (activations and sharded tensors are combined over the ranks);
 give ``log`` on rank 0 only, or let it check the rank.
+
+``spike={"metric": "grad/global_norm", ...}`` (the trainer's ``guard.spike`` keys) watches a logged metric for
+spikes, with first-divergence forensics (:mod:`hookexp.telemetry.forensics`, ``forensics=`` the trainer's
+``guard.forensics`` keys, or False): each spike's row, with the targets ranked by the step each left its range
+(``first``), is appended to :attr:`Watch.spikes`, its heatmap written to ``forensics_dir`` (default: the W&B
+run's directory, else none) and logged to a W&B run; :meth:`Watch.report` asks by hand (a NaN your loop caught).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from hookexp.errors import ConfigError, did_you_mean
+from hookexp.telemetry.forensics import Forensics, Report, draw
 from hookexp.telemetry.observer import Observer, Observers
 from hookexp.telemetry.probes import HookEffects, Probes
 from hookexp.telemetry.readback import split_histograms
+from hookexp.telemetry.spike import SpikeRecorder
 
 Log = Callable[[dict[str, Any], int], Any]
 
@@ -66,14 +75,19 @@ class Watch:
                  grads: str | None = "*", activations: str | None = None, params: str | None = None,
                  updates: str | None = None, optimizer_state: str | None = None, group_by: str | None = None,
                  hist_bins: int = 64, hist_sample: int | None = 4096, hooks: Any = None, log: Any = None,
-                 step: int = 0, before_hook: bool = True):
+                 step: int = 0, before_hook: bool = True, spike: Mapping[str, Any] | None = None,
+                 forensics: Mapping[str, Any] | bool | None = None, forensics_dir: str | Path | None = None):
         for name, value in (("every", every), ("step", step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "every"):
                 raise ConfigError(f"expected a whole number of optimizer steps, at least {int(name == 'every')}, got "
                                   f"{value!r}.", key=f"watch({name}=...)")
         self.every, self.step = every, step
         self._log = as_logger(log)
+        self._run = log if log is not None and hasattr(log, "log") else None
         self.last: dict[str, Any] = {}  # the metrics of the last log step
+        self.spikes: list[dict[str, Any]] = []  # a row per spike found, as the trainer's spikes.jsonl holds
+        self.forensics_dir = Path(forensics_dir) if forensics_dir is not None else \
+            Path(self._run.dir) / "forensics" if getattr(self._run, "dir", None) else None
         # the hooks first: their pre_step specs run before the probes look at the gradients
         self.hooks = None
         if hooks:
@@ -95,12 +109,36 @@ class Watch:
         named: dict[str, Observer] = {"stats": self.probes}
         if self.hooks is not None:
             named["hooks"] = HookEffects(self.hooks)
+        try:
+            self.recorder = SpikeRecorder.from_config(
+                spike, [], [], ["grad/global_norm"] if grads else []) if spike is not None else None
+            self.forensics = _forensics(model, optimizer, forensics, on=spike is not None)
+        except BaseException:
+            self.probes.close()
+            if self.hooks is not None:
+                self.hooks.remove()
+            raise
+        if self.forensics is not None:
+            named["forensics"] = self.forensics
+        if self.recorder is not None:
+            named["spike"] = self.recorder
+            self.recorder.forensics = self.forensics
         self.observers = Observers(named, optimizer, before_hook=before_hook)
         self._handle = optimizer.register_step_post_hook(self._after_step)  # after the observers' own
         self.observers.start(self.step, self.logs(self.step))
 
     def logs(self, step: int) -> bool:
-        return step % self.every == 0
+        return step % self.every == 0 or (self.recorder is not None and self.recorder.logging_every_step(step))
+
+    def report(self, step: int | None = None) -> Report:
+        """Forensics' ranking up to ``step`` (default: the step in progress, or the last one): which target left its
+        range first. Needs forensics on (``forensics=True``)."""
+        if self.forensics is None:
+            raise ConfigError("forensics is off in this watch(); pass forensics=True (or spike=...) to keep the ring "
+                              "buffer.", key="watch(forensics=...)")
+        report = self.forensics.report(self.step if step is None else step, "asked")
+        self.forensics.take_reports()
+        return report
 
     def sync(self, step: int) -> None:
         """The loop's own count of optimizer steps (``global_step``), before the step's forward: a step fp16's
@@ -124,9 +162,25 @@ class Watch:
             self.last = self.observers.read()
             if self._log is not None:
                 self._log(dict(self.last), self.step)
+            spike = self.observers.observe(self.last, self.step).get("spike")
+            if spike is not None:
+                self._spiked(spike)
         self.observers.end(self.step)
         self.step += 1
         self.observers.start(self.step, self.logs(self.step))
+
+    def _spiked(self, spike: Any) -> None:
+        """A spike's row into :attr:`spikes`; its forensics heatmap to ``forensics_dir`` and the W&B run."""
+        self.spikes.append(spike.row([]))
+        reports = self.forensics.take_reports() if self.forensics is not None else []
+        if self.forensics_dir is None:
+            return
+        for report in reports:
+            path = draw(report, self.forensics_dir / f"step_{report.step}.png")
+            if self._run is not None:
+                import wandb
+
+                self._run.log({"trainer/step": report.step, "forensics": wandb.Image(str(path))})
 
     def remove(self) -> None:
         self._handle.remove()
@@ -142,7 +196,23 @@ class Watch:
 
 
 SETTINGS = ("every", "grads", "activations", "params", "updates", "optimizer_state", "group_by", "hist_bins",
-            "hist_sample", "hooks", "log", "step")
+            "hist_sample", "hooks", "log", "step", "spike", "forensics", "forensics_dir")
+FORENSICS_KEYS = ("window", "z", "top", "updates")
+
+
+def _forensics(model: nn.Module, optimizer: torch.optim.Optimizer, setting: Mapping[str, Any] | bool | None,
+               on: bool) -> Forensics | None:
+    """``forensics=``: True, a mapping of the trainer's ``guard.forensics`` keys, False, or None (on with a
+    spike recorder)."""
+    if setting is None:
+        setting = on
+    if setting is False:
+        return None
+    keys = dict(setting) if isinstance(setting, Mapping) else {}
+    _check_settings(keys, FORENSICS_KEYS, lambda name: f"guard.forensics.{name}")
+    if keys.get("window", 1) == 0:
+        return None
+    return Forensics(model, optimizer, **keys)
 
 
 def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Any) -> None:
@@ -156,7 +226,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, g
           activations: str | None = None, log: Any = None, **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
     docstring. ``settings``: params, updates, optimizer_state, group_by, hist_bins (64, as wandb.watch),
-    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step)."""
+    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step), spike
+    and forensics (the trainer's ``guard.spike`` and ``guard.forensics`` keys), forensics_dir."""
     _check_settings(settings, SETTINGS, lambda name: f"watch({name}=...)")
     return Watch(model, optimizer, every=every, grads=grads, activations=activations, log=log, **settings)
 
@@ -165,11 +236,14 @@ STATS_KEYS = ("every", "grads", "activations", "params", "updates", "optimizer",
               "hist_sample")
 
 
-def settings_from(stats: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A callback's ``stats`` mapping, with the keys of the trainer's ``stats`` config (``optimizer`` for the
-    optimizer state), as :class:`Watch` keywords; an unknown key is refused with a did-you-mean."""
+def settings_from(stats: Mapping[str, Any] | None, guard: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A callback's ``stats`` and ``guard`` mappings, with the keys of the trainer's ``stats`` config (``optimizer``
+    for the optimizer state) and ``guard.spike`` / ``guard.forensics``, as :class:`Watch` keywords; an unknown key
+    is refused with a did-you-mean."""
     stats = dict(stats or {})
     _check_settings(stats, STATS_KEYS, lambda name: f"stats.{name}")
     if "optimizer" in stats:
         stats["optimizer_state"] = stats.pop("optimizer")
-    return stats
+    guard = dict(guard or {})
+    _check_settings(guard, ("spike", "forensics"), lambda name: f"guard.{name}")
+    return {**stats, **guard}
