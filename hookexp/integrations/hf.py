@@ -18,7 +18,9 @@ record, saved in ``trainer_state.json``) under the Trainer's own ``step``, the 1
 One difference from the hookexp trainer: the Trainer clips the gradients (``max_grad_norm``, default 1.0)
 before any callback or optimizer hook runs, so ``grad/*`` describe the clipped gradients and ``pre_step``
 specs see them (the Trainer logs the norm before its clip as ``grad_norm``). Set ``max_grad_norm=0`` and clip
-with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order.
+with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order. With ``stats={"gns": True}`` (the
+gradient noise scale over the ``gradient_accumulation_steps`` micro-batches, times the DDP ranks) this matters
+more: a clipped final gradient is not the big batch's, so set ``max_grad_norm=0`` there.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ class HookexpCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         self._remove()
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler (stats.gns divides its scale out)
         self.watch = Watch(model, inner, hooks=self.hooks, log=lambda metrics, step: self._log(state, metrics, step),
-                           step=state.global_step, **self.stats)
+                           step=state.global_step, grad_scale=(lambda: scaler._scale) if scaler is not None else None,
+                           **self.stats)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is not None:

@@ -21,6 +21,12 @@ skips runs no optimizer hook and is not counted, unless the loop says where it i
 hold ``(counts, edges)``.
 Under DDP/FSDP every rank must watch (activations and sharded tensors are combined over the ranks);
 give ``log`` on rank 0 only, or let it check the rank.
+
+``gns=True`` adds the gradient noise scale (:mod:`hookexp.telemetry.gns`, ``gns/...`` keys): its small
+batches are the backward passes between two ``optimizer.step()`` calls (gradient accumulation, each loss
+divided by their number), times the DDP ranks; the samples per micro-batch are measured from each training
+forward of ``model`` (the leading dimension of its first tensor argument) unless ``gns_batch_size`` gives
+them; ``gns_ema`` smooths; ``grad_scale`` (a callable) gives fp16's loss scale when the loop scales its losses.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from torch import nn
 
 from hookexp.errors import ConfigError, did_you_mean
+from hookexp.telemetry.gns import GradientNoiseScale
 from hookexp.telemetry.observer import Observer, Observers
 from hookexp.telemetry.probes import HookEffects, Probes
 from hookexp.telemetry.readback import split_histograms
@@ -66,7 +73,8 @@ class Watch:
                  grads: str | None = "*", activations: str | None = None, params: str | None = None,
                  updates: str | None = None, optimizer_state: str | None = None, group_by: str | None = None,
                  hist_bins: int = 64, hist_sample: int | None = 4096, hooks: Any = None, log: Any = None,
-                 step: int = 0, before_hook: bool = True):
+                 step: int = 0, before_hook: bool = True, gns: bool = False, gns_ema: float = 0.95,
+                 gns_batch_size: int | None = None, grad_scale: Any = None):
         for name, value in (("every", every), ("step", step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "every"):
                 raise ConfigError(f"expected a whole number of optimizer steps, at least {int(name == 'every')}, got "
@@ -93,6 +101,15 @@ class Watch:
                 self.hooks.remove()
             raise
         named: dict[str, Observer] = {"stats": self.probes}
+        if gns:
+            try:
+                named["gns"] = GradientNoiseScale(model, group_by=group_by, ema=gns_ema, batch_size=gns_batch_size,
+                                                  grad_scale=grad_scale, key=lambda setting: f"watch({setting}=...)")
+            except BaseException:
+                self.probes.close()
+                if self.hooks is not None:
+                    self.hooks.remove()
+                raise
         if self.hooks is not None:
             named["hooks"] = HookEffects(self.hooks)
         self.observers = Observers(named, optimizer, before_hook=before_hook)
@@ -142,7 +159,7 @@ class Watch:
 
 
 SETTINGS = ("every", "grads", "activations", "params", "updates", "optimizer_state", "group_by", "hist_bins",
-            "hist_sample", "hooks", "log", "step")
+            "hist_sample", "hooks", "log", "step", "gns", "gns_ema", "gns_batch_size", "grad_scale")
 
 
 def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Any) -> None:
@@ -156,18 +173,20 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, g
           activations: str | None = None, log: Any = None, **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
     docstring. ``settings``: params, updates, optimizer_state, group_by, hist_bins (64, as wandb.watch),
-    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step)."""
+    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step), gns,
+    gns_ema, gns_batch_size, grad_scale (the gradient noise scale)."""
     _check_settings(settings, SETTINGS, lambda name: f"watch({name}=...)")
     return Watch(model, optimizer, every=every, grads=grads, activations=activations, log=log, **settings)
 
 
 STATS_KEYS = ("every", "grads", "activations", "params", "updates", "optimizer", "group_by", "hist_bins",
-              "hist_sample")
+              "hist_sample", "gns", "gns_ema", "gns_batch_size")
 
 
 def settings_from(stats: Mapping[str, Any] | None) -> dict[str, Any]:
     """A callback's ``stats`` mapping, with the keys of the trainer's ``stats`` config (``optimizer`` for the
-    optimizer state), as :class:`Watch` keywords; an unknown key is refused with a did-you-mean."""
+    optimizer state; and ``gns_batch_size``, the samples per micro-batch when the model's forward does not show
+    them), as :class:`Watch` keywords; an unknown key is refused with a did-you-mean."""
     stats = dict(stats or {})
     _check_settings(stats, STATS_KEYS, lambda name: f"stats.{name}")
     if "optimizer" in stats:

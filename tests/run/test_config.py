@@ -121,6 +121,7 @@ DEFAULTS = {
     "guard.spike.min_value": 0.0, "guard.spike.steps": 10, "guard.spike.record": [], "guard.spike.checkpoint": True,
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
+    "stats.gns": False, "stats.gns_ema": 0.95,
     "logger._target_": "hookexp.sinks.WandbSink", "logger.mode": "offline", "logger.project": "hookexp",
     "logger.entity": None,
     "logger.group": None, "logger.job_type": "train", "logger.name": None, "logger.tags": [],
