@@ -144,6 +144,10 @@ CHANGED = {
         "stats.every": 100, "stats.params": "*", "stats.group_by": r"re:^(blocks\.\d+|embed|pos_embed|head)",
         "logger.group": "grokking_weight_decay", "logger.tags": ["study"]},
     "experiment=seed_hooks": {"logger.group": "seed_hooks", "logger.tags": ["study"]},
+    "experiment=gradient_noise_scale": {
+        "trainer.epochs": 25, "trainer.accumulate": 4, "trainer.progress": False, "stats.grads": None,
+        "stats.gns": True, "stats.group_by": r"re:^(conv\d|fc\d)", "logger.group": "gradient_noise_scale",
+        "logger.tags": ["study"]},
     "sweep=optuna_lr": {"trainer.epochs": 5},
 }
 TOP_LEVEL = ["seed", "model", "task", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger",
