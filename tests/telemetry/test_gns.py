@@ -147,6 +147,20 @@ def test_the_trainer_refuses_stats_gns_without_accumulation_or_ranks(tmp_path: P
         "stats.gns=false.")
 
 
+def test_fsdp_is_refused_naming_the_strategy_that_works():
+    from types import SimpleNamespace
+
+    from hookexp.run.observers import noise_scale
+
+    parts = SimpleNamespace(ranks=Dist(world_size=2, strategy="fsdp"), accumulate=4, model=mlp())
+    with pytest.raises(ConfigError) as e:
+        noise_scale(compose("stats.gns=true"), parts, None)
+    assert str(e.value) == (
+        "stats.gns: the gradient noise scale needs each rank's own micro-batch gradients, and FSDP2 never holds them "
+        "(every micro-batch's gradient is reduce-scattered over the ranks at once). Train with trainer.strategy=ddp, "
+        "or set stats.gns=false.")
+
+
 # -- the same figures from the trainer, watch() and both callbacks ---------------------------------------------------
 STEPS, ACCUMULATE = 4, 2
 TRAINER = ["logger=none", "trainer.progress=false", f"trainer.max_steps={STEPS}", "stats.every=1",
@@ -175,6 +189,39 @@ def assert_same(got: dict[int, dict], want: dict[int, dict]) -> None:
                                                                                          "trace"))
         for key, value in row.items():
             assert got[step][key] == pytest.approx(value, rel=1e-6), (step, key)
+
+
+def test_a_resumed_run_goes_on_with_the_moving_averages_it_saved(trainer_rows, tmp_path: Path):
+    from hookexp.run import train as run_train
+
+    def cfg(steps: int):
+        return compose(*TRAINER, f"trainer.max_steps={steps}", "trainer.checkpoint_every=2")
+
+    run_train(cfg(2), tmp_path / "run")
+    run_train(cfg(STEPS), tmp_path / "run", resume=True)
+    rows = {r["trainer/step"]: {k: v for k, v in r.items() if k.startswith("gns/")}
+            for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r}
+    assert_same(rows, trainer_rows)  # steps 2 and 3 average in steps 0 and 1, as the uninterrupted run did
+
+
+def test_the_loss_scale_is_divided_out_of_the_micro_batch_gradients():
+    """fp16's GradScaler: the backward passes see the loss times the scale, the update the unscaled gradient."""
+    model = mlp()
+    batches = micro_batches(k=3, b=5, seed=2)
+    want = by_hand(model, batches, {"": GROUPS[""]})[""]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scale = torch.tensor(1024.0, dtype=torch.float64)
+    observers = Observers({"gns": GradientNoiseScale(model, ema=0.0, grad_scale=lambda: scale)}, optimizer)
+    observers.start(0, True)
+    for x, y in batches:
+        (torch.nn.functional.cross_entropy(model(x), y) / 3 * scale).backward()
+    for p in model.parameters():  # the unscale before the update
+        p.grad /= scale
+    optimizer.step()
+    got = observers.read()
+    observers.close()
+    assert got["gns/grad_sq"] == pytest.approx(want[0], rel=1e-10)
+    assert got["gns/trace"] == pytest.approx(want[1], rel=1e-10)
 
 
 def test_the_trainer_logs_the_estimate_of_its_micro_batches_by_hand(trainer_rows):
