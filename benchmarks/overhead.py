@@ -40,6 +40,9 @@ The default set is issue 19's (a, b, c, d0, d, d_all, a_wb, w, e); ``--cases all
   c_wb   c with the W&B offline run as well              f    e with log_freq=10
   g      clamp every parameter's gradient: hookexp `grad` kind (g_grad), `pre_step` kind (g_pre), and a
          hand-written per-parameter register_hook loop (g_hand), all in the hand loop
+  b2     b with two micro-batches a step (trainer.accumulate=2): the baseline of gns
+  gns    d with the gradient noise scale (stats.gns=true, per block where the model has blocks) and
+         trainer.accumulate=2: a norm per parameter per micro-batch on every step, logged every 10 steps
 Comparisons with wandb.watch are of overheads, as issue 19 asks: w/a_wb - 1 and e/a_wb - 1, and their
 ratio "w/e ovh" (watch()'s overhead over wandb.watch's; target <= 0.5): in the first table the median
 w/a_wb - 1 over the median e/a_wb - 1, in the second (w - a_wb) / (e - a_wb) per repeat. A ratio of step
@@ -205,6 +208,7 @@ def every_family(bench: Bench) -> list[str]:
 
 def cases(bench: Bench, model: list[str], steps: int) -> dict[str, Callable[[], float]]:
     every_stat = stats_all(bench.activations)
+    groups = [f"stats.group_by='{bench.group_by}'"] if bench.group_by else []
     fns: dict[str, Callable[[int], float]] = {
         "a": lambda n: hand_loop(model, n),
         "b": lambda n: trainer_loop(model, n, STATS_OFF),
@@ -222,6 +226,9 @@ def cases(bench: Bench, model: list[str], steps: int) -> dict[str, Callable[[], 
         "g_grad": lambda n: hand_loop(model, n, clamp_via("grad")),
         "g_pre": lambda n: hand_loop(model, n, clamp_via("pre_step")),
         "g_hand": lambda n: hand_loop(model, n, clamp_by_hand),
+        "b2": lambda n: trainer_loop(model, n, [*STATS_OFF, "trainer.accumulate=2"]),
+        "gns": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=10", "trainer.accumulate=2",
+                                                 "stats.gns=true", *groups]),
     }
     return {name: (lambda fn=fn: fn(steps)) for name, fn in fns.items()}
 
@@ -257,7 +264,7 @@ COLUMNS = [ratio("b", "a"), ratio("c", "b"), ratio("c_g", "b"), ratio("c_x", "b"
            ratio("d_all", "b"), ratio("c_wb", "b"), ratio("w", "a_wb"), ratio("e", "a_wb"),
            Column("w/e ovh", ("w", "e", "a_wb"), watch_vs_wandb, watch_vs_wandb_medians), ratio("f", "a_wb"),
            ratio("e", "c"), ratio("g_grad", "a"), ratio("g_pre", "a"), ratio("g_hand", "a"),
-           ratio("g_pre", "g_hand")]
+           ratio("g_pre", "g_hand"), ratio("gns", "b2")]
 
 
 def main() -> None:

@@ -130,6 +130,10 @@ class StatsConfig:
     optimizer: Optional[str] = None  # noqa: UP045
     # e.g. 're:^blocks\.\d+': also one norm per group of parameters ({grad,param,update}/group/<g>/norm)
     group_by: Optional[str] = None  # noqa: UP045
+    # the gradient noise scale per group_by group and globally (gns/<group>/b_simple, gns/b_simple; McCandlish et
+    # al. 2018, App. A.1), from the micro-batches: needs trainer.accumulate >= 2 or DDP ranks (docs/statistics.md)
+    gns: bool = False
+    gns_ema: float = 0.95  # the weight of the past in the moving averages of |G|^2 and tr(Sigma); 0: no smoothing
 
 
 @dataclass

@@ -18,7 +18,9 @@ record, saved in ``trainer_state.json``) under the Trainer's own ``step``, the 1
 One difference from the hookexp trainer: the Trainer clips the gradients (``max_grad_norm``, default 1.0)
 before any callback or optimizer hook runs, so ``grad/*`` describe the clipped gradients and ``pre_step``
 specs see them (the Trainer logs the norm before its clip as ``grad_norm``). Set ``max_grad_norm=0`` and clip
-with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order.
+with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order. With ``stats={"gns": True}`` (the
+gradient noise scale over the ``gradient_accumulation_steps`` micro-batches, times the DDP ranks) this matters
+more: a clipped final gradient is not the big batch's, so set ``max_grad_norm=0`` there.
 
 ``guard={"spike": {"metric": "grad/global_norm"}, "forensics": {...}}`` (the trainer's ``guard.spike`` and
 ``guard.forensics`` keys) adds the spike recorder and first-divergence forensics: each spike's row, with the
@@ -56,8 +58,10 @@ class HookexpCallback(TrainerCallback):
         self._remove()
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         settings = {"forensics_dir": Path(args.output_dir) / "forensics", **self.stats}
+        scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler (stats.gns divides its scale out)
         self.watch = Watch(model, inner, hooks=self.hooks, log=lambda metrics, step: self._log(state, metrics, step),
-                           step=state.global_step, **settings)
+                           step=state.global_step, grad_scale=(lambda: scaler._scale) if scaler is not None else None,
+                           **settings)
         self.spikes = self.watch.spikes
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

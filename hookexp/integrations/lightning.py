@@ -14,7 +14,10 @@ removes them. Every ``stats.every``-th optimizer step its metrics go to every lo
 index of the optimizer step described, counted by Lightning's ``global_step``. Lightning's
 ``optimizer.step(closure)`` runs the backward inside the closure, after torch's step pre-hooks, so the
 ``pre_step`` specs and the gradient probes run from ``on_before_optimizer_step`` instead, on the final
-gradients (before Lightning's gradient clipping), for the watched optimizer only.
+gradients (before Lightning's gradient clipping), for the watched optimizer only. With ``stats={"gns": True}``
+the gradient noise scale's small batches are the ``accumulate_grad_batches`` micro-batches (times the DDP
+ranks), their samples measured from the LightningModule's own forward (``gns_batch_size`` when
+``training_step`` does not call it).
 
 ``guard={"spike": {"metric": "grad/global_norm"}, "forensics": {...}}`` (the trainer's ``guard.spike`` and
 ``guard.forensics`` keys) adds the spike recorder and first-divergence forensics: each spike's row, with the
@@ -52,9 +55,11 @@ class HookexpCallback(Callback):
         optimizer = trainer.optimizers[0]
         self._optimizer = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
         settings = {"forensics_dir": Path(trainer.default_root_dir) / "forensics", **self.stats}
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: the loss scale (stats.gns)
         self.watch = Watch(pl_module, self._optimizer, hooks=self.hooks,
                            log=lambda metrics, step: self._log(trainer, metrics, step), step=trainer.global_step,
-                           before_hook=False, **settings)
+                           before_hook=False, grad_scale=(lambda: scaler._scale) if scaler is not None else None,
+                           **settings)
         self.spikes = self.watch.spikes
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

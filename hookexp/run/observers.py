@@ -1,6 +1,6 @@
 """The trainer's observers (:mod:`hookexp.telemetry.observer`), built from the run's config, in the order a
 log step lists their values: the task's metrics, what the hooks did, the guard, the statistics probes, the
-forensics ring buffer, the gradient clip's norm, and the spike recorder.
+gradient noise scale (``stats.gns``), the forensics ring buffer, the gradient clip's norm, and the spike recorder.
 
 Nothing runs, and nothing syncs, on steps that do not log (the guard aside, see
 :mod:`hookexp.telemetry.guard`). On a log step every observer hands over a device tensor and a decoder, and
@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from hookexp.engine import HookHandle
 from hookexp.errors import ConfigError
 from hookexp.telemetry.forensics import Forensics
+from hookexp.telemetry.gns import GradientNoiseScale
 from hookexp.telemetry.guard import NonFiniteGuard
 from hookexp.telemetry.meter import TrainMeter
 from hookexp.telemetry.observer import Observer, Observers
@@ -74,10 +75,31 @@ def hooks_touching(hooks: HookHandle) -> Any:
     return touching
 
 
-def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scaled: bool) -> Observers:
+def noise_scale(cfg: DictConfig, parts: Any, scaler: Any) -> GradientNoiseScale | None:
+    """``stats.gns``: the gradient noise scale, or None when it is off; refused without small batches."""
+    if not cfg.stats.get("gns"):
+        return None
+    if parts.ranks.sharded:
+        raise ConfigError("the gradient noise scale needs each rank's own micro-batch gradients, and FSDP2 never "
+                          "holds them (every micro-batch's gradient is reduce-scattered over the ranks at once). "
+                          "Train with trainer.strategy=ddp, or set stats.gns=false.", key="stats.gns")
+    if parts.accumulate < 2 and not parts.ranks.enabled:
+        raise ConfigError(f"the gradient noise scale compares small batches with the big batch they make up, and "
+                          f"this run has one batch per optimizer step (trainer.accumulate={parts.accumulate}, one "
+                          f"process). Set trainer.accumulate=2 or more (the same samples per step: divide "
+                          f"data.batch_size by it), or train several DDP ranks under torchrun; or set "
+                          f"stats.gns=false.", key="stats.gns")
+    scale = (lambda: scaler._scale) if scaler is not None else None  # the loss scale of the step's backward passes
+    return GradientNoiseScale(parts.model, group_by=cfg.stats.get("group_by"), ema=cfg.stats.get("gns_ema", 0.95),
+                              grad_scale=scale)
+
+
+def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scaled: bool,
+                      scaler: Any = None) -> Observers:
     """The observers of a hookexp run (``parts``: :class:`hookexp.run.build.Parts`), attached after the hook
     specs so that the statistics see the gradients after the ``pre_step`` specs; ``grads_scaled``: fp16's
-    GradScaler skips overflowing steps itself, so the guard looks at the loss alone."""
+    GradScaler skips overflowing steps itself, so the guard looks at the loss alone; ``scaler``: that GradScaler
+    (the noise scale divides its scale out of the micro-batches' gradients)."""
     stats, guard, ranks = cfg.stats, cfg.guard, parts.ranks
     if stats.every < 1:
         raise ConfigError(f"must be at least 1, got {stats.every}.", key="stats.every")
@@ -87,13 +109,15 @@ def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scal
                     params=stats.get("params"), updates=stats.get("updates"), optimizer_state=stats.get("optimizer"),
                     group_by=stats.get("group_by"), hist_bins=stats.hist_bins, hist_sample=stats.hist_sample,
                     activations_sharded=ranks.enabled)
+    gns = None
     try:
+        gns = noise_scale(cfg, parts, scaler)
         agree = ranks.all_true if ranks.sharded and ranks.enabled else None
         nonfinite = NonFiniteGuard(guard.nan_policy, model, hooks_touching(hooks), parts.device,
                                    check_grads=not grads_scaled, agree=agree)
         clip = cfg.trainer.clip_grad_norm
         named: dict[str, Observer] = {"meter": meter, "hooks": HookEffects(hooks), "guard": nonfinite,
-                                      "stats": probes}
+                                      "stats": probes, **({"gns": gns} if gns is not None else {})}
         rows = hooks.table()
         watchable = [*meter.keys(), *(["grad/global_norm"] if probes.grads else []),
                      *(["grad/pre_clip_norm"] if clip is not None else [])]
@@ -111,6 +135,8 @@ def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scal
             named["clip"] = GradClip(model, clip)  # after the statistics and forensics: they see unclipped gradients
     except BaseException:
         probes.close()
+        if gns is not None:
+            gns.close()
         raise
     recorder.pause_records(hooks)
     return Observers({**named, "spike": recorder}, parts.optimizer)

@@ -61,7 +61,8 @@ class Trainer:
         self.observers = None
         try:
             self.amp = MixedPrecision(cfg.trainer.precision, parts.device, self.hooks)
-            self.observers = trainer_observers(cfg, parts, self.hooks, grads_scaled=self.amp.scaler is not None)
+            self.observers = trainer_observers(cfg, parts, self.hooks, grads_scaled=self.amp.scaler is not None,
+                                               scaler=self.amp.scaler)
             self.meter, self.guard, self.spikes = (self.observers.named[k] for k in ("meter", "guard", "spike"))
             self.forward = distributed.wrap(parts.model, cfg.trainer, parts.ranks, parts.device)
             self.records = Records(self.hooks, self.run_dir, enabled=main and cfg.trainer.save_records)

@@ -27,6 +27,12 @@ spikes, with first-divergence forensics (:mod:`hookexp.telemetry.forensics`, ``f
 ``guard.forensics`` keys, or False): each spike's row, with the targets ranked by the step each left its range
 (``first``), is appended to :attr:`Watch.spikes`, its heatmap written to ``forensics_dir`` (default: the W&B
 run's directory, else none) and logged to a W&B run; :meth:`Watch.report` asks by hand (a NaN your loop caught).
+
+``gns=True`` adds the gradient noise scale (:mod:`hookexp.telemetry.gns`, ``gns/...`` keys): its small
+batches are the backward passes between two ``optimizer.step()`` calls (gradient accumulation, each loss
+divided by their number), times the DDP ranks; the samples per micro-batch are measured from each training
+forward of ``model`` (the leading dimension of its first tensor argument) unless ``gns_batch_size`` gives
+them; ``gns_ema`` smooths; ``grad_scale`` (a callable) gives fp16's loss scale when the loop scales its losses.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch import nn
 
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.forensics import Forensics, Report, draw
+from hookexp.telemetry.gns import GradientNoiseScale
 from hookexp.telemetry.observer import Observer, Observers
 from hookexp.telemetry.probes import HookEffects, Probes
 from hookexp.telemetry.readback import split_histograms
@@ -75,7 +82,8 @@ class Watch:
                  grads: str | None = "*", activations: str | None = None, params: str | None = None,
                  updates: str | None = None, optimizer_state: str | None = None, group_by: str | None = None,
                  hist_bins: int = 64, hist_sample: int | None = 4096, hooks: Any = None, log: Any = None,
-                 step: int = 0, before_hook: bool = True, spike: Mapping[str, Any] | None = None,
+                 step: int = 0, before_hook: bool = True, gns: bool = False, gns_ema: float = 0.95,
+                 gns_batch_size: int | None = None, grad_scale: Any = None, spike: Mapping[str, Any] | None = None,
                  forensics: Mapping[str, Any] | bool | None = None, forensics_dir: str | Path | None = None):
         for name, value in (("every", every), ("step", step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "every"):
@@ -107,6 +115,15 @@ class Watch:
                 self.hooks.remove()
             raise
         named: dict[str, Observer] = {"stats": self.probes}
+        if gns:
+            try:
+                named["gns"] = GradientNoiseScale(model, group_by=group_by, ema=gns_ema, batch_size=gns_batch_size,
+                                                  grad_scale=grad_scale, key=lambda setting: f"watch({setting}=...)")
+            except BaseException:
+                self.probes.close()
+                if self.hooks is not None:
+                    self.hooks.remove()
+                raise
         if self.hooks is not None:
             named["hooks"] = HookEffects(self.hooks)
         try:
@@ -114,7 +131,8 @@ class Watch:
                 spike, [], [], ["grad/global_norm"] if grads else []) if spike is not None else None
             self.forensics = _forensics(model, optimizer, forensics, on=spike is not None)
         except BaseException:
-            self.probes.close()
+            for o in named.values():
+                o.close()
             if self.hooks is not None:
                 self.hooks.remove()
             raise
@@ -196,7 +214,8 @@ class Watch:
 
 
 SETTINGS = ("every", "grads", "activations", "params", "updates", "optimizer_state", "group_by", "hist_bins",
-            "hist_sample", "hooks", "log", "step", "spike", "forensics", "forensics_dir")
+            "hist_sample", "hooks", "log", "step", "gns", "gns_ema", "gns_batch_size",
+            "grad_scale", "spike", "forensics", "forensics_dir")
 FORENSICS_KEYS = ("window", "z", "top", "updates")
 
 
@@ -226,20 +245,22 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, g
           activations: str | None = None, log: Any = None, **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
     docstring. ``settings``: params, updates, optimizer_state, group_by, hist_bins (64, as wandb.watch),
-    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step), spike
-    and forensics (the trainer's ``guard.spike`` and ``guard.forensics`` keys), forensics_dir."""
+    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step), gns,
+    gns_ema, gns_batch_size, grad_scale (the gradient noise scale), spike and forensics (the trainer's
+    ``guard.spike`` and ``guard.forensics`` keys), forensics_dir."""
     _check_settings(settings, SETTINGS, lambda name: f"watch({name}=...)")
     return Watch(model, optimizer, every=every, grads=grads, activations=activations, log=log, **settings)
 
 
 STATS_KEYS = ("every", "grads", "activations", "params", "updates", "optimizer", "group_by", "hist_bins",
-              "hist_sample")
+              "hist_sample", "gns", "gns_ema", "gns_batch_size")
 
 
 def settings_from(stats: Mapping[str, Any] | None, guard: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A callback's ``stats`` and ``guard`` mappings, with the keys of the trainer's ``stats`` config (``optimizer``
-    for the optimizer state) and ``guard.spike`` / ``guard.forensics``, as :class:`Watch` keywords; an unknown key
-    is refused with a did-you-mean."""
+    for the optimizer state; and ``gns_batch_size``, the samples per micro-batch when the model's forward does not
+    show them) and ``guard.spike`` / ``guard.forensics``, as :class:`Watch` keywords; an unknown key is refused
+    with a did-you-mean."""
     stats = dict(stats or {})
     _check_settings(stats, STATS_KEYS, lambda name: f"stats.{name}")
     if "optimizer" in stats:

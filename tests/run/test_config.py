@@ -122,6 +122,7 @@ DEFAULTS = {
     "guard.forensics.window": 32, "guard.forensics.z": 8.0, "guard.forensics.top": 10, "guard.forensics.updates": True,
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
+    "stats.gns": False, "stats.gns_ema": 0.95,
     "logger._target_": "hookexp.sinks.WandbSink", "logger.mode": "offline", "logger.project": "hookexp",
     "logger.entity": None,
     "logger.group": None, "logger.job_type": "train", "logger.name": None, "logger.tags": [],
@@ -144,6 +145,10 @@ CHANGED = {
         "stats.every": 100, "stats.params": "*", "stats.group_by": r"re:^(blocks\.\d+|embed|pos_embed|head)",
         "logger.group": "grokking_weight_decay", "logger.tags": ["study"]},
     "experiment=seed_hooks": {"logger.group": "seed_hooks", "logger.tags": ["study"]},
+    "experiment=gradient_noise_scale": {
+        "trainer.epochs": 25, "trainer.accumulate": 4, "trainer.progress": False, "stats.grads": None,
+        "stats.gns": True, "stats.group_by": r"re:^(conv\d|fc\d)", "logger.group": "gradient_noise_scale",
+        "logger.tags": ["study"]},
     "sweep=optuna_lr": {"trainer.epochs": 5},
 }
 TOP_LEVEL = ["seed", "model", "task", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger",

@@ -94,6 +94,47 @@ def test_grad_hooks_see_local_gradients_and_pre_step_hooks_the_averaged_one(work
     assert not torch.allclose(records["local"], records["averaged"], atol=1e-4)
 
 
+GNS = ["trainer.accumulate=2", "stats.gns=true", "stats.gns_ema=0.5", "stats.every=1", "stats.grads=null",
+       r"stats.group_by='re:^fc\d'", "trainer.max_steps=2"]
+
+
+def test_the_noise_scale_of_two_ranks_is_one_process_with_twice_the_accumulation(workdir):
+    """stats.gns under DDP: 2 ranks x 2 micro-batches give exactly what one process gives with the same 4
+    micro-batches accumulated, the ranks' small-batch estimates averaged in the log step's all_reduce."""
+    import itertools
+
+    import pytest
+
+    import hookexp
+
+    done = torchrun([*GNS, "logger=none", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = {r["trainer/step"]: {k: v for k, v in r.items() if k.startswith("gns")}
+              for r in read_jsonl(workdir / "run" / "metrics.jsonl") if "train/loss" in r}
+
+    # One process: the same model, and each step's 4 micro-batches (rank 0's two, then rank 1's), loss / 4.
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["logger=none", "trainer.device=cpu", *GNS])
+    parts = build(cfg, Dist(), torch.device("cpu"))
+    train_set, b = parts.loaders.train, cfg.data.batch_size
+    orders = [list(EpochSampler(len(train_set), seed=cfg.seed, train=True, rank=r, world_size=2)) for r in (0, 1)]
+    model, optimizer = parts.model, parts.optimizer
+    got: dict[int, dict] = {}
+    with hookexp.watch(model, optimizer, every=1, grads=None, group_by=r"re:^fc\d", gns=True, gns_ema=0.5,
+                       log=lambda metrics, step: got.__setitem__(step, metrics)):
+        for step in range(2):
+            optimizer.zero_grad()
+            for rank, i in itertools.product((0, 1), (2 * step, 2 * step + 1)):
+                x, y = train_set.__getitems__(orders[rank][i * b:(i + 1) * b])
+                (F.cross_entropy(model(x), y) / 4).backward()
+            optimizer.step()
+    assert sorted(logged) == sorted(got) == [0, 1]
+    for step, row in logged.items():
+        assert len(row) == 9  # global, fc1, fc2 x (b_simple, grad_sq, trace)
+        for key, value in row.items():
+            assert value == pytest.approx(got[step][key], rel=1e-5), (step, key)
+
+
 def test_more_cuda_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
     """Each CUDA rank trains on its own GPU: two ranks on a one-GPU node would fail deep inside nccl."""
     import pytest

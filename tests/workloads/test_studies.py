@@ -174,6 +174,7 @@ def test_eval_every_epochs_zero_validates_only_every_eval_every_steps(tmp_path: 
     ["experiment=grokfast", "grokfast_filter=ma", "data.p=11", "trainer.max_steps=3"],
     ["experiment=grokking_weight_decay", "data.p=11", "data.batch_size=36", "trainer.max_steps=3",
      "trainer.eval_every=2", "stats.every=1"],
+    ["experiment=gradient_noise_scale", "trainer.max_steps=3", "stats.every=1"],
 ])
 def test_study_configs_train_a_few_steps(overrides, tmp_path: Path):
     summary = train(config(*overrides), tmp_path)
@@ -186,6 +187,9 @@ def test_study_configs_train_a_few_steps(overrides, tmp_path: Path):
         block = [v for k, v in logged.items() if k.startswith("param/blocks.0.") and k.endswith("/norm")]
         assert len(block) >= 8  # the group's norm is the norm of all its weights together
         assert logged["param/group/blocks.0/norm"] == pytest.approx(math.sqrt(sum(v * v for v in block)), rel=1e-5)
+    if "experiment=gradient_noise_scale" in overrides:  # every step: B_simple per layer and globally
+        assert all({f"gns{g}/b_simple" for g in ("", "/conv1", "/conv2", "/fc1", "/fc2")} <= set(r)
+                   for r in rows if "train/loss" in r)
 
 
 def test_stop_when_on_a_metric_the_task_does_not_log_is_refused_before_training(tmp_path: Path):
