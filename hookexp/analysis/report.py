@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from hookexp.analysis.plots import Metrics, coord_figure, curves_figure, read_metrics, save, short_labels
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.goals import Reach
-from hookexp.plots import Metrics, coord_figure, curves_figure, read_metrics, save, short_labels
 
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
 CURVES = ("train/loss", "val/acc")

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "hookexp", "-m", *overrides, f"+ablate={levels}"]
     print("hookexp.ablate:", " ".join(command[1:]), file=sys.stderr, flush=True)
     status = subprocess.call(command)
+    from hookexp.analysis.report import report
     from hookexp.errors import HookexpError
-    from hookexp.report import report
 
     try:
         markdown, _, _ = report([sweep_dir])
