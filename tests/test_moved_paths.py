@@ -70,3 +70,30 @@ def test_python_dash_m_on_an_old_path_runs_the_moved_command(old):
         assert done.stdout.startswith("usage: python -m hookexp.report [-h] [--out OUT]")
     else:
         assert done.stdout.startswith("``python -m hookexp.ablate hooks=[a,b,c] seed=0,1,2 [overrides]``")
+
+
+def test_a_checkpoint_written_before_the_move_resumes(tmp_path):
+    """A run checkpointed before the move names hookexp.models.SmallCNN (...) in its saved config; resuming it
+    continues the run instead of refusing a checkpoint "written with another config"."""
+    from conftest import config, read_jsonl
+
+    from hookexp.run.checkpoint import atomic_save, config_changes, read_checked
+    from hookexp.run.loop import train
+
+    train(config("trainer.max_steps=2", "trainer.checkpoint_every=2"), tmp_path)
+    last = tmp_path / "checkpoints" / "last.pt"
+    data = read_checked(last)
+    saved = data["config"]
+    assert (saved["model"]["_target_"], saved["task"]["_target_"], saved["data"]["dataset"]["_target_"]) == (
+        "hookexp.workloads.models.SmallCNN", "hookexp.workloads.tasks.Classification", "hookexp.workloads.data.digits")
+    saved["model"]["_target_"], saved["task"]["_target_"] = "hookexp.models.SmallCNN", "hookexp.tasks.Classification"
+    saved["data"]["dataset"]["_target_"] = "hookexp.data.digits"  # as written before the move
+    atomic_save(data, last)
+    (tmp_path / "summary.json").unlink()
+    train(config("trainer.max_steps=4", "trainer.checkpoint_every=2", "resume=true"), tmp_path)
+    assert read_checked(last)["loop"]["step"] == 4
+    assert [r["trainer/step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r] == [0, 1, 3]
+    # a target that really differs is still a difference
+    assert config_changes({"model": {"_target_": "hookexp.models.MLP"}},
+                          {"model": {"_target_": "hookexp.workloads.models.SmallCNN"}}) == [
+        "model._target_: 'hookexp.models.MLP' -> 'hookexp.workloads.models.SmallCNN'"]
