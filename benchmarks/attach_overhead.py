@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hookexp import attach
-from hookexp.models import MLP
+from hookexp.workloads.models import MLP
 
 CLAMP = (-1e-3, 1e-3)
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hookexp.models import MLP, SmallCNN
 from hookexp.telemetry.readback import read
 from hookexp.telemetry.stats import TensorStats
+from hookexp.workloads.models import MLP, SmallCNN
 
 MODELS = {"small_cnn": lambda: SmallCNN(), "deep_mlp": lambda: MLP(depth=32, width=64, norm="layer")}
 

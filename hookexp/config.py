@@ -138,9 +138,9 @@ class StatsConfig:
 
 @dataclass
 class LoggerConfig:
-    # the backend (hookexp.sinks.Sink): hookexp.sinks.WandbSink | hookexp.sinks.TensorBoardSink | null (none);
-    # local files are always written. The keys below are W&B's; a backend gets those its constructor names.
-    _target_: Optional[str] = "hookexp.sinks.WandbSink"  # noqa: UP045
+    # the backend (hookexp.run.sinks.Sink): hookexp.run.sinks.WandbSink | hookexp.run.sinks.TensorBoardSink |
+    # null (none); local files are always written. The keys below are W&B's; a backend gets those its constructor names.
+    _target_: Optional[str] = "hookexp.run.sinks.WandbSink"  # noqa: UP045
     # offline needs no account and writes the run under the run directory (wandb/offline-run-*); `wandb sync`
     # uploads it later. online: log live. disabled: no W&B. WANDB_MODE in the environment wins over this.
     mode: str = "offline"  # offline | online | disabled

@@ -247,6 +247,7 @@ register_aliases("hookexp.transformer", classes=["PatchTransformer"],
                                "linear2), with no module around it; target layers.N.linear1 or layers.N.linear2"})
 _CLASSIFIER_NOTE = "a classifier without blocks; it has only @unembed (the output layer)"
 for _cls, _head in (("SmallCNN", "fc2"), ("MLP", _last_linear), ("SeedNet", "fc1")):
-    register_aliases(f"hookexp.{_cls.lower()}", classes=[_cls], detect=lambda m: type(m).__module__ == "hookexp.models",
+    register_aliases(f"hookexp.{_cls.lower()}", classes=[_cls],
+                     detect=lambda m: type(m).__module__ == "hookexp.workloads.models",
                      aliases={"unembed": _head},
                      notes={a: _CLASSIFIER_NOTE for a in STANDARD if a != "unembed"})

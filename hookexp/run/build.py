@@ -28,7 +28,7 @@ from hookexp.run.distributed import Dist, shard
 from hookexp.run.instantiate import drop_inherited, fill_auto, instantiate, parameters_of, target_of, unpartial
 from hookexp.run.loaders import Loaders, make_loaders
 from hookexp.run.precision import DTYPES
-from hookexp.tasks import Classification, Task
+from hookexp.workloads.tasks import Classification, Task
 
 log = logging.getLogger("hookexp.build")
 
@@ -92,7 +92,7 @@ def set_threads(num_threads: int | None) -> None:
 def derived_from_examples(loaders: Loaders, task: Task) -> dict[str, Callable[[], tuple[Any, str]]]:
     """What a model's ``auto`` sizes are when the data does not say them: read from a user's own map-style sets
     (``input_dim`` from one example's input; for classification, ``num_classes`` / ``output_dim`` from the labels)."""
-    from hookexp.data import classes_in, input_size
+    from hookexp.workloads.data import classes_in, input_size
 
     @functools.cache
     def classes() -> tuple[int | None, str]:

@@ -241,8 +241,8 @@ def make_loaders(data: DictConfig, seed: int, ranks: Dist, device: torch.device,
                  ) -> Loaders:
     """Build the data sets (``data.dataset``), normalise them (:func:`hookexp.data.as_splits`) and the collate
     function, checked before anything loads."""
-    from hookexp.data import as_splits
     from hookexp.run.instantiate import drop_inherited, instantiate
+    from hookexp.workloads.data import as_splits
 
     check_data_config(data)
     made = instantiate(drop_inherited(data.dataset, "data.dataset", overrides), "data.dataset")

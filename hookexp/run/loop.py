@@ -23,8 +23,8 @@ from hookexp.run.build import Parts, build, pick_device
 from hookexp.run.checkpoint import Checkpointer, require_writable
 from hookexp.run.loaders import to_device
 from hookexp.run.rundir import CLI, Launch
+from hookexp.run.sinks import check_logger, write_json_atomic
 from hookexp.run.trainer import Trainer, hook_specs, summarize
-from hookexp.sinks import check_logger, write_json_atomic
 
 __all__ = ["Trainer", "check_hooks", "dry_run", "hook_specs", "preflight", "summarize", "train"]
 

@@ -22,11 +22,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from hookexp.analysis.plots import plot_grad_norms
 from hookexp.engine import HookHandle, attach
 from hookexp.engine.validate import hooks_summary
 from hookexp.errors import ConfigError
 from hookexp.goals import lower_is_better
-from hookexp.plots import plot_grad_norms
 from hookexp.run import distributed
 from hookexp.run.build import Parts
 from hookexp.run.checkpoint import Checkpointer, LoopState
@@ -35,7 +35,7 @@ from hookexp.run.manifest import build_manifest
 from hookexp.run.observers import trainer_observers
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
-from hookexp.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
+from hookexp.run.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
 from hookexp.telemetry.forensics import draw
 from hookexp.telemetry.readback import split_histograms
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import yaml
 from conftest import has_module, run_cli
 
-from hookexp.models import GPT, MLP
-from hookexp.report import coord_check, log_slope, main
+from hookexp.analysis.report import coord_check, log_slope, main
+from hookexp.workloads.models import GPT, MLP
 
 needs_mup = pytest.mark.skipif(not has_module("mup"), reason="extra .[mup] not installed")
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from hookexp.errors import ConfigError
-from hookexp.plots import (
+from hookexp.analysis.plots import (
     HEATMAP_ROWS_MAX,
     LINE_PLOT_MAX,
     block_of,
@@ -26,7 +25,8 @@ from hookexp.plots import (
     short_labels,
     spread,
 )
-from hookexp.report import Reach, main, parse_reach, plot, report
+from hookexp.analysis.report import Reach, main, parse_reach, plot, report
+from hookexp.errors import ConfigError
 
 STEPS = [0, 10, 20, 30, 40, 50, 60]
 # val/acc and val/loss per job, logged at STEPS; the answers the tests expect are written beside them
@@ -377,7 +377,7 @@ def test_the_same_overrides_in_another_order_are_one_group_named_as_given(tmp_pa
 def test_the_summary_best_and_the_report_rank_a_metric_alike(tmp_path, metric, lower):
     """One direction rule (hookexp.goals) for the run summary's ``*_best`` and the report: val/perplexity and
     val/token_loss were ranked as rising by the summary's old exact-name rule and as falling by the report's."""
-    from hookexp.plots import log_y
+    from hookexp.analysis.plots import log_y
     from hookexp.run.loop import summarize
 
     values = [8.0, 3.0, 5.0]

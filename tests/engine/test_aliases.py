@@ -11,7 +11,7 @@ from torch import nn
 
 from hookexp import ConfigError, RegistryError, TargetError, attach, match, register_aliases, validate
 from hookexp.engine import ALIASES
-from hookexp.models import MLP, PatchTransformer, SeedNet, SmallCNN
+from hookexp.workloads.models import MLP, PatchTransformer, SeedNet, SmallCNN
 
 
 def names(model, pattern, on="module"):

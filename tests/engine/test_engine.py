@@ -14,7 +14,7 @@ from torch import nn
 from hookexp import HookCompatibilityError, HookRuntimeError, HookWarning, TransformOutputError, attach
 from hookexp.engine import SpecBinding, output_hooks
 from hookexp.errors import ConfigError
-from hookexp.models import SmallCNN
+from hookexp.workloads.models import SmallCNN
 
 
 def batch():

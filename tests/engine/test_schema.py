@@ -15,7 +15,7 @@ from hookexp import SpecError, SpecErrors, TargetError, TransformArgsError, atta
 from hookexp.config import HookSpecConfig
 from hookexp.engine import KINDS, HookSpec
 from hookexp.engine.schema import KIND_DOCS, config_fields
-from hookexp.models import SmallCNN
+from hookexp.workloads.models import SmallCNN
 
 
 def test_the_hydra_schema_is_derived_from_hookspec():

@@ -8,7 +8,7 @@ from torch import nn
 from hookexp import SpecError, TargetError, TransformArgsError, attach, parse_specs
 from hookexp.engine import HookSpec
 from hookexp.engine.targets import resolve
-from hookexp.models import SeedNet, SmallCNN
+from hookexp.workloads.models import SeedNet, SmallCNN
 
 
 def names(model, target, kind="forward", **extra):

@@ -37,8 +37,6 @@ def main() -> None:
     if name == "kill_in_checkpoint":
         import torch
 
-        from hookexp.run import checkpoint
-
         real_save = torch.save
 
         def save(hit, obj, f, *a, **k):
@@ -50,9 +48,9 @@ def main() -> None:
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-        checkpoint.torch.save = _after(int(value), save)  # type: ignore[attr-defined]
+        torch.save = _after(int(value), save)  # every module of hookexp.run.checkpoint calls torch.save
     elif name == "kill_in_metrics":
-        from hookexp import sinks
+        from hookexp.run.sinks import files as sinks  # JsonLines writes through this module's os
 
         real_write = os.write
         fds: set[int] = set()
@@ -90,7 +88,7 @@ def main() -> None:
         import errno
         import io
 
-        from hookexp.run import checkpoint
+        from hookexp.run.checkpoint import checkpointer, files, sharded
 
         class Full(io.FileIO):
             def write(self, data):
@@ -101,7 +99,9 @@ def main() -> None:
         def opened(hit, path, mode="r", *a, **k):
             return Full(path, mode) if hit else open(path, mode, *a, **k)
 
-        checkpoint.open = _after(int(value), opened)  # type: ignore[attr-defined]
+        counted = _after(int(value), opened)  # one count over the modules that open checkpoint files
+        for module in (checkpointer, files, sharded):
+            module.open = counted  # type: ignore[attr-defined]
     elif name == "term_after_finish":
         import logging
 

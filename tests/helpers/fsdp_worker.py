@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from hookexp.engine import attach
-from hookexp.models import GPT
 from hookexp.run.distributed import Dist, shard
+from hookexp.workloads.models import GPT
 
 VOCAB, T, STEPS = 16, 8, 3
 CASES = {

@@ -123,14 +123,14 @@ DEFAULTS = {
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
     "stats.gns": False, "stats.gns_ema": 0.95,
-    "logger._target_": "hookexp.sinks.WandbSink", "logger.mode": "offline", "logger.project": "hookexp",
+    "logger._target_": "hookexp.run.sinks.WandbSink", "logger.mode": "offline", "logger.project": "hookexp",
     "logger.entity": None,
     "logger.group": None, "logger.job_type": "train", "logger.name": None, "logger.tags": [],
     "logger.init_timeout": 30.0, "logger.quiet": True,
 }
 CHANGED = {
     "logger=none": {"logger._target_": None, "logger.mode": "disabled"},
-    "logger=tensorboard": {"logger._target_": "hookexp.sinks.TensorBoardSink"},
+    "logger=tensorboard": {"logger._target_": "hookexp.run.sinks.TensorBoardSink"},
     "experiment=coord_check": {
         "trainer.max_steps": 4, "trainer.progress": False, "stats.every": 1, "stats.grads": None,
         "stats.activations": r"re:^(fc\d+|embed|blocks\.\d+|blocks\.\d+\.attn|blocks\.\d+\.mlp|head)$",
@@ -205,7 +205,7 @@ def test_typed_options_hold_only_what_differs_from_the_schema(path):
 
 def test_a_bad_logger_mode_composes_but_is_refused_before_anything_runs():
     from hookexp import ConfigError
-    from hookexp.sinks import check_logger
+    from hookexp.run.sinks import check_logger
 
     cfg = compose("config", overrides=["logger.mode=1.5"])  # a str field takes it
     with pytest.raises(ConfigError, match=r"^logger\.mode: unknown W&B mode '1\.5'\. Use offline, online or disabled"):

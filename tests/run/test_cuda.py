@@ -12,8 +12,8 @@ from conftest import config, read_jsonl
 
 from hookexp.engine import HookHandle
 from hookexp.run.loop import train
+from hookexp.run.sinks import Sinks
 from hookexp.run.trainer import Trainer
-from hookexp.sinks import Sinks
 from hookexp.telemetry.observer import Observers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -40,7 +40,7 @@ def test_a_callback_without_its_extra_names_it(monkeypatch, module, blocked, fea
 
 
 def test_data_hf_disk_without_datasets_names_the_extra(monkeypatch, tmp_path):
-    from hookexp.data import hf_disk
+    from hookexp.workloads.data import hf_disk
 
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ConfigError, match=r"^data: data=hf_disk needs the `datasets` package, which is not installed "

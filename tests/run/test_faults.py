@@ -176,7 +176,7 @@ def test_a_full_disk_is_one_paragraph_and_leaves_whole_lines_and_a_valid_summary
 def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_one(tmp_path, monkeypatch):
     import errno
 
-    from hookexp.run import checkpoint
+    from hookexp.run.checkpoint import checkpointer
 
     train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path)
     good = (tmp_path / "checkpoints" / "last.pt").read_bytes()
@@ -185,7 +185,7 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_o
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", full)
+    monkeypatch.setattr(checkpointer.torch, "save", full)
     with pytest.raises(RunFilesError, match=r"^cannot write .*checkpoints.*: the disk is full \(.* free there\)\. "
                                             r"Everything written before is intact"):
         train(config("trainer.max_steps=6", "trainer.checkpoint_every=2", "resume=true"), tmp_path)

@@ -173,7 +173,7 @@ def test_fsdp_shards_the_modules_the_wrap_pattern_names_innermost_first_then_the
     from omegaconf import OmegaConf
     from torch.distributed.fsdp import FSDPModule
 
-    from hookexp.models import GPT
+    from hookexp.workloads.models import GPT
 
     ranks = distributed.setup(torch.device("cpu"), "fsdp")  # a group of one rank, in this process
     try:

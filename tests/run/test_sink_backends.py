@@ -17,7 +17,7 @@ from hookexp import ConfigError, MissingExtraError
 from hookexp.run import compose
 from hookexp.run import train as run_train
 from hookexp.run.rundir import results_in
-from hookexp.sinks import RunInfo, TensorBoardSink, check_logger
+from hookexp.run.sinks import RunInfo, TensorBoardSink, check_logger
 
 MISSING = ("logger=tensorboard (hookexp.sinks.TensorBoardSink) needs tensorboard, which is not installed. Install the "
            "extra: pip install 'hookexp[tensorboard]'")
@@ -73,7 +73,7 @@ def test_tensorboard_holds_the_local_files_scalars_histograms_and_the_hooks_tabl
     assert text.splitlines()[2] == ('| clamp_conv | output_grad | clamp | {"min": -1e-05, "max": 1e-05} | True | '
                                     'conv1, conv2 |')
     config = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert json.loads(config)["logger"]["_target_"] == "hookexp.sinks.TensorBoardSink"
+    assert json.loads(config)["logger"]["_target_"] == "hookexp.run.sinks.TensorBoardSink"
     (image,) = acc.Images("plots/grad_norms")
     assert image.step == 4 and image.width > 100 and image.height > 100
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
@@ -134,7 +134,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_
     run_train(cfg(2), run)
     (first,) = wandb_runs(run)
     kept = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["sinks"]
-    assert kept == {"hookexp.sinks.WandbSink": {"id": first.name.rsplit("-", 1)[1]}}
+    assert kept == {"hookexp.run.sinks.WandbSink": {"id": first.name.rsplit("-", 1)[1]}}
     history = [r for r in wandb_rows(first) if "plots/grad_norms._type" not in r]
     local = read_jsonl(run / "metrics.jsonl")
     assert [r["trainer/step"] for r in history] == [r["trainer/step"] for r in local] == [0, 1, 1]  # the last: val

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hookexp.sinks import LocalFiles
+from hookexp.run.sinks import LocalFiles
 
 
 def lines(path: Path) -> list[dict]:

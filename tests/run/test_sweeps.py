@@ -13,7 +13,7 @@ import yaml
 from conftest import has_module, read_jsonl, run_cli
 from hydra import compose, initialize_config_module
 
-from hookexp.report import report
+from hookexp.analysis.report import report
 
 FAST = ["trainer.max_steps=12", "stats.every=4", "logger=none"]
 
@@ -130,7 +130,7 @@ def test_optuna_sweeps_the_optimized_metric_in_its_direction(workdir, metric, be
 def test_the_sweep_objective_and_its_direction():
     from hookexp.goals import objective, objective_value
     from hookexp.run.build import logged_metrics
-    from hookexp.tasks import CausalLM, Classification, Regression
+    from hookexp.workloads.tasks import CausalLM, Classification, Regression
 
     assert objective(None, logged_metrics(Classification())) == "val/acc"
     assert objective(None, logged_metrics(Regression())) == "val/loss"  # no val/acc: today's -val/loss
@@ -201,7 +201,7 @@ def test_the_command_a_wandb_agent_builds_runs(workdir):
 
 
 def test_ablate_finds_specs_selected_by_an_experiment_and_ignores_sweeps():
-    from hookexp.ablate import is_sweep, spec_names
+    from hookexp.analysis.ablate import is_sweep, spec_names
 
     assert is_sweep("seed=0,1,2") and is_sweep("hooks=[a,b],[c]")
     assert not is_sweep("hooks=[clamp_conv,zero_fc_bias]") and not is_sweep("hooks.x.args={min:0,max:1}")

@@ -271,7 +271,7 @@ def test_clip_grad_norm_clips_after_the_pre_step_specs_and_logs_the_pre_clip_nor
 
 
 def test_a_cosine_schedule_with_warmup_follows_the_formula(tmp_path: Path):
-    from hookexp.schedules import cosine
+    from hookexp.workloads.schedules import cosine
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=0.5)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookexp.tasks import CausalLM, Classification
 from hookexp.telemetry.meter import TrainMeter
+from hookexp.workloads.tasks import CausalLM, Classification
 
 # (logits, labels) per batch; the argmax of each logits row is its class
 BATCHES = [

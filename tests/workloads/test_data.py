@@ -19,7 +19,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 
-from hookexp.data import (
+from hookexp.errors import ConfigError
+from hookexp.workloads.data import (
     CharTokenizer,
     PadCollate,
     Splits,
@@ -36,7 +37,6 @@ from hookexp.data import (
     torchvision,
     whole_batch,
 )
-from hookexp.errors import ConfigError
 
 needs_datasets = pytest.mark.skipif(not has_module("datasets"), reason="extra .[hf] (datasets) not installed")
 needs_transformers = pytest.mark.skipif(not has_module("transformers"), reason="extra .[hf] not installed")
@@ -602,7 +602,7 @@ def test_classes_in_reads_the_labels_of_map_style_sets_only():
     """Issue 27.9: what model.num_classes=auto reads from a user's own data (largest label + 1)."""
     from torch.utils.data import Subset
 
-    from hookexp.data import classes_in
+    from hookexp.workloads.data import classes_in
 
     pairs = TensorDataset(torch.zeros(6, 2), torch.tensor([0, 2, 1, 7, 0, 1]))
     assert classes_in(pairs) == 8

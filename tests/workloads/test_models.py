@@ -17,9 +17,9 @@ from hydra import compose
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 
-from hookexp.data import as_splits
 from hookexp.errors import ConfigError
-from hookexp.models import GPT, MLP, PatchTransformer, SeedNet, SmallCNN, hf
+from hookexp.workloads.data import as_splits
+from hookexp.workloads.models import GPT, MLP, PatchTransformer, SeedNet, SmallCNN, hf
 
 needs_transformers = pytest.mark.skipif(not has_module("transformers"), reason="extra .[hf] not installed")
 

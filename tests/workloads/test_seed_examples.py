@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hookexp import attach
-from hookexp.models import SeedNet
+from hookexp.workloads.models import SeedNet
 
 
 def test_a_seed_net_clamp_relu_grad_and_zero_fc_bias_match_hand_written_hooks():

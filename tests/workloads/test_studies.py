@@ -14,11 +14,11 @@ from conftest import config, read_jsonl
 from omegaconf import OmegaConf
 
 from hookexp.errors import ConfigError
-from hookexp.models import GPT
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loop import train
-from hookexp.schedules import constant
+from hookexp.workloads.models import GPT
+from hookexp.workloads.schedules import constant
 
 
 def test_normed_stream_layout_normalises_the_stream_before_attention():
@@ -123,7 +123,7 @@ def test_grokfast_split_is_drawn_from_the_run_seed():
     x = torch.arange(13)
     pairs = torch.cartesian_prod(x, torch.arange(1, 13))
     perm = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1))
-    from hookexp.data import modular_addition
+    from hookexp.workloads.data import modular_addition
 
     train_set = modular_addition(p=13, op="mul", train_fraction=0.5, split_seed=1).train
     assert torch.equal(train_set.x[:, [0, 2]], pairs[perm[: len(pairs) // 2]])

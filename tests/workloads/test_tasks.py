@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookexp.errors import ConfigError
-from hookexp.tasks import CausalLM, Classification, Regression, Task, logits_of
+from hookexp.workloads.tasks import CausalLM, Classification, Regression, Task, logits_of
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""The backend ``logger._target_`` names: checked before anything is built (:func:`check_logger`), then made
+(:func:`make_backend`)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hookexp.errors import ConfigError, MissingExtraError
+from hookexp.run.sinks.base import RunInfo, Sink
+from hookexp.run.sinks.wandb import WandbSink
+
+
+def backend_class(cfg: Mapping[str, Any]) -> type | None:
+    """The class ``logger._target_`` names (None: ``logger=none``), or a :class:`ConfigError` naming the key."""
+    target = cfg.get("_target_")
+    if target is None:
+        return None
+    from hydra.utils import get_class
+
+    try:
+        return get_class(str(target))
+    except Exception as e:  # Hydra raises ImportError or ValueError, with its own long message
+        if isinstance(e, MissingExtraError):
+            raise
+        raise ConfigError(f"cannot import the logger backend {target!r} ({str(e).splitlines()[0]}). Use logger=wandb, "
+                          "logger=tensorboard or logger=none, or the import path of a class that implements "
+                          "hookexp.sinks.Sink (local files are always written).", key="logger._target_") from None
+
+
+def check_logger(cfg: Mapping[str, Any]) -> None:
+    """Refuse an unknown backend or mode, or a backend whose package is missing, before anything is built or
+    written."""
+    backend = backend_class(cfg)
+    if cfg.get("mode") not in ("offline", "online", "disabled"):
+        raise ConfigError(f"unknown W&B mode {cfg.get('mode')!r}. Use offline, online or disabled.",
+                          key="logger.mode")
+    env = os.environ.get("WANDB_MODE")
+    if backend is WandbSink and env is not None and env not in ("offline", "online", "disabled", "dryrun", "run"):
+        raise ConfigError(f"the environment sets WANDB_MODE={env!r}, which W&B refuses (and which would override "
+                          f"logger.mode={cfg.get('mode')}). Unset it (`unset WANDB_MODE`) or set it to offline, online "
+                          "or disabled.", key="WANDB_MODE")
+    if backend is not None and callable(getattr(backend, "check", None)):
+        backend.check()
+
+
+def make_backend(cfg: Mapping[str, Any], run: RunInfo) -> Sink | None:
+    """The sink ``logger._target_`` names, made the way Hydra instantiates a ``_target_`` node: the class gets
+    ``run`` and those ``logger`` keys its constructor names (the schema holds W&B's keys for every backend; a
+    backend that does not name them does not get them). None for ``logger=none``."""
+    backend = backend_class(cfg)
+    if backend is None:
+        return None
+    params = inspect.signature(backend).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    args = {k: v for k, v in cfg.items() if k != "_target_" and (takes_any or k in params)}
+    return backend(run, **args)  # type: ignore[no-any-return]

@@ -1,0 +1,112 @@
+"""``logger=tensorboard``: :class:`TensorBoardSink`, event files under the run directory's ``tensorboard/``
+(``torch.utils.tensorboard``, extra ``.[tensorboard]``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hookexp.errors import MissingExtraError
+from hookexp.run.sinks.base import STEP_KEY, Histograms, RunInfo
+from hookexp.run.sinks.files import _jsonable
+
+log = logging.getLogger("hookexp.sinks")
+
+
+def _tensorboard_missing(error: BaseException | str = "") -> MissingExtraError:
+    return MissingExtraError("logger=tensorboard (hookexp.sinks.TensorBoardSink)", "tensorboard", "tensorboard", error)
+
+
+class TensorBoardSink:
+    """TensorBoard event files under ``<run_dir>/tensorboard`` (``logger=tensorboard``; ``tensorboard --logdir
+    <run_dir>``), written by ``torch.utils.tensorboard.SummaryWriter``: every scalar at its ``trainer/step``
+    (stored as float64, so that it equals ``metrics.jsonl``'s value), every histogram (``add_histogram_raw``: the
+    bin edges as bucket limits after an empty first bucket, as TensorBoard's own histograms; ``sum`` and
+    ``sum_squares`` from the bin centres, hookexp counts values only), the hooks table, the config, each spike
+    and the summary as text, and the plots as images. A resumed run drops the events written after its
+    checkpoint (``purge_step``). Needs the extra ``.[tensorboard]``."""
+
+    def __init__(self, run: RunInfo):
+        self.check()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise _tensorboard_missing(e) from None
+        self.log_dir = run.run_dir / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=run.resumed_step)
+        if run.hooks_table:
+            self.writer.add_text("hooks", hooks_markdown(run.hooks_table), run.resumed_step or 0)
+        self.writer.add_text("config", _code_block(run.config), run.resumed_step or 0)
+
+    @staticmethod
+    def check() -> None:
+        """A :class:`MissingExtraError` naming the extra when the ``tensorboard`` package is not installed."""
+        from importlib.util import find_spec
+
+        try:
+            found = find_spec("tensorboard") is not None
+        except (ImportError, ValueError):  # None in sys.modules: a module that failed to import
+            found = False
+        if not found:
+            raise _tensorboard_missing()
+
+    def resume_state(self) -> dict[str, Any]:
+        return {}
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, float(value), step, new_style=True, double_precision=True)
+
+    def log_histograms(self, histograms: Histograms, step: int) -> None:
+        for key, (counts, edges) in histograms.items():
+            counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
+            centres = (edges[:-1] + edges[1:]) / 2
+            self.writer.add_histogram_raw(key, min=float(edges[0]), max=float(edges[-1]), num=float(counts.sum()),
+                                          sum=float(counts @ centres), sum_squares=float(counts @ centres ** 2),
+                                          bucket_limits=edges.tolist(), bucket_counts=[0.0, *counts.tolist()],
+                                          global_step=step)
+
+    def spike(self, row: Mapping[str, Any]) -> None:
+        self.writer.add_text("spikes", _code_block(dict(row)), int(row.get(STEP_KEY, 0)))
+        self.writer.flush()
+
+    def image(self, key: str, path: Path, step: int) -> None:
+        try:
+            from matplotlib.image import imread
+
+            self.writer.add_image(key, imread(str(path)), step, dataformats="HWC")
+        except Exception as e:  # a plot that does not show in TensorBoard never fails the run
+            log.warning("TensorBoard: could not add the image %s (%s: %s)", path, type(e).__name__, e)
+
+    def finish(self, summary: Mapping[str, Any], failed: bool) -> None:
+        try:
+            self.writer.add_text("summary", _code_block({k: _jsonable(v) for k, v in summary.items()}),
+                                 int(summary.get("trainer/steps", 0) or 0))
+        finally:
+            self.writer.close()
+
+
+def _code_block(data: Any) -> str:
+    """``data`` as indented JSON in a Markdown code block (TensorBoard renders text as Markdown)."""
+    text = json.dumps(data, indent=2, default=str)
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def hooks_markdown(table: Sequence[Mapping[str, Any]]) -> str:
+    """The hooks table (:meth:`hookexp.engine.HookHandle.table`) as a Markdown table."""
+    columns = ["spec", "kind", "transform", "args", "enabled", "targets"]
+
+    def cell(row: Mapping[str, Any], column: str) -> str:
+        value = row[column]
+        text = ", ".join(value) if column == "targets" else json.dumps(value) if column == "args" else str(value)
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row, c) for c in columns) + " |" for row in table]
+    return "\n".join(lines)
