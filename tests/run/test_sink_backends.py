@@ -146,3 +146,25 @@ def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_
     assert [p.name.rsplit("-", 1)[1] for p in second] == [first.name.rsplit("-", 1)[1]]  # the same W&B run id
     steps = [r["trainer/step"] for r in wandb_rows(second[0]) if "plots/grad_norms._type" not in r]
     assert steps == [2, 3, 3]
+
+
+def test_a_checkpoint_that_names_the_backend_by_its_old_path_continues_its_wandb_run(tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch):
+    """Checkpoints written before the package layout moved keep the W&B run id under ``hookexp.sinks.WandbSink``."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def cfg(steps: int):
+        return compose("logger=wandb", f"trainer.max_steps={steps}", "trainer.checkpoint_every=2",
+                       "trainer.eval_every=0", "trainer.progress=false")
+
+    run = tmp_path / "run"
+    run_train(cfg(2), run)
+    (first,) = wandb_runs(run)
+    path = run / "checkpoints" / "last.pt"
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["sinks"] = {"hookexp.sinks.WandbSink": ckpt["sinks"].pop("hookexp.run.sinks.WandbSink")}
+    torch.save(ckpt, path)
+    run_train(cfg(4), run, resume=True)
+    second = [p for p in wandb_runs(run) if p != first]
+    assert [p.name.rsplit("-", 1)[1] for p in second] == [first.name.rsplit("-", 1)[1]]  # the same W&B run id
