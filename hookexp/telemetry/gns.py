@@ -44,7 +44,7 @@ from torch import nn
 
 from hookexp.errors import ConfigError
 from hookexp.telemetry.observer import Observer
-from hookexp.telemetry.probes import _grouper
+from hookexp.telemetry.probes import grouper
 from hookexp.telemetry.readback import Pending, wide_dtype
 
 
@@ -93,7 +93,7 @@ class GradientNoiseScale(Observer):
                               "trainer.strategy=ddp, or set stats.gns=false.", key=key("gns"))
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        group = _grouper(group_by, key("group_by"))
+        group = grouper(group_by, key("group_by"))
         member = [group(n) for n in self.names]
         self.groups = list(dict.fromkeys(g for g in member if g is not None))
         rows = [[1.0] * len(named)] + [[float(m == g) for m in member] for g in self.groups]

@@ -69,7 +69,7 @@ def _params(model: nn.Module, pattern: str | None, key: str, trainable: bool = T
     return [(n, p) for n, p in match(model, pattern, on="parameter", key=key) if p.requires_grad or not trainable]
 
 
-def _grouper(pattern: str | None, key: str) -> Callable[[str], str | None]:
+def grouper(pattern: str | None, key: str) -> Callable[[str], str | None]:
     """``stats.group_by``: the group of a parameter name (None: in no group)."""
     if not pattern:
         return lambda name: None
@@ -107,7 +107,7 @@ class Probes(Observer):
         if optimizer is None and (self.grads or self.updates or self.opt_params):
             raise ConfigError("gradient, update and optimizer statistics are taken around optimizer.step(): pass "
                               "the optimizer.", key=key("optimizer"))
-        self._group = _grouper(group_by, key("group_by"))
+        self._group = grouper(group_by, key("group_by"))
         self.describer = TensorStats(STATS, hist_bins, hist_sample)
         if activations_sharded is None:
             activations_sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
