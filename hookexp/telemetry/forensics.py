@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,11 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync (a CUDA copy from pinned memory is asynchronous)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
 
@@ -115,6 +121,7 @@ class Forensics(Observer):
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         # this step's calls: (module, output norm, input norm or None, their sizes)
         self.calls: list[tuple[int, torch.Tensor, torch.Tensor | None, int, int]] = []
+        self._seen: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id -> (weak reference, version, norm)
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.modules)]
         self.layout: list[Target] | None = None  # the buffer's columns, fixed at the first recorded step
         self.out_modules: list[int] = []  # module indices in column order
@@ -139,19 +146,32 @@ class Forensics(Observer):
             if out is None:
                 return
             inp = _first_tensor(args)
-            self.calls.append((index, _norm(out), None if inp is None else _norm(inp), out.numel(),
+            self.calls.append((index, self._norm(out), None if inp is None else self._norm(inp), out.numel(),
                                0 if inp is None else inp.numel()))
         return hook
 
+    def _norm(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s norm, computed once a step: a module's input is mostly another's output (and a container's
+        output its last child's), so most inputs cost no kernel. Tensors are known by a weak reference (a freed
+        tensor's reused ``id`` is never taken for it) and their version (an in-place op since, ``ReLU(inplace=True)``,
+        makes a new norm)."""
+        known = self._seen.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            return known[2]
+        norm = _norm(t)
+        self._seen[id(t)] = (weakref.ref(t), t._version, norm)
+        return norm
+
     def missing(self, device: torch.device) -> torch.Tensor:
         if self._missing is None or self._missing.device != device:
-            self._missing = torch.tensor(MISSING, device=device)
+            self._missing = torch.full((), MISSING, device=device)
         return self._missing
 
     def start(self, step: int, log: bool) -> None:
         if not self.committed:
             self._commit(None)  # the previous step ran no update (skipped): keep what it recorded
         self.calls.clear()
+        self._seen.clear()
         self.step, self.committed, self._grads = step, False, None
 
     def before_update(self) -> None:
@@ -203,8 +223,9 @@ class Forensics(Observer):
             sizes = torch.zeros(n + 1, 2, dtype=torch.float64)
             for c, (_, o, k) in zip(cols, key, strict=True):
                 sizes[c] += torch.tensor([o, k], dtype=torch.float64)
-            absent = (sizes[:n] == 0).to(device)
-            self._cache[key] = torch.tensor(cols, device=device), absent, sizes[:n].clamp(min=1).float().to(device)
+            absent = sizes[:n] == 0
+            self._cache[key] = _to(torch.tensor(cols), device), _to(absent, device), \
+                _to(sizes[:n].clamp(min=1).float(), device)
         idx, absent, sizes = self._cache[key]
         vals = torch.stack([torch.stack([c[1] for c in self.calls]),
                             torch.stack([missing if c[2] is None else c[2] for c in self.calls])], 1)
@@ -265,7 +286,7 @@ class Forensics(Observer):
         p = len(self.params)
         if self._grads is not None:
             if self._grad_index is None or self._grad_index.device != device:
-                self._grad_index = torch.tensor(self.grad_order, device=device)
+                self._grad_index = _to(torch.tensor(self.grad_order), device)
             grads = self._grads[self._grad_index]
         else:
             grads = missing.expand(p)

@@ -242,7 +242,7 @@ def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
     e = x.new_zeros(n).index_add_(0, seg, deviations) / layout.sizes.clamp_min(1)  # the mean's rounding
     s2, s3, s4 = sums[:, 2], sums[:, 6], sums[:, 7]
     out = x.new_zeros(n, COLUMNS)
-    out[:, [0, 1, 3, 4, 7]] = sums[:, [0, 1, 3, 4, 5]]
+    out[:, 0:2], out[:, 3:5], out[:, 7] = sums[:, 0:2], sums[:, 3:5], sums[:, 5]  # slices: a list index is a copy
     out[:, 2] = s2 - layout.sizes * e * e
     out[:, 8] = s3 - 3 * e * s2 + 2 * layout.sizes * e ** 3
     out[:, 9] = s4 - 4 * e * s3 + 6 * e * e * s2 - 3 * layout.sizes * e ** 4

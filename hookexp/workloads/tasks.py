@@ -223,8 +223,8 @@ class Task:
     def _loss_sums(self, output: Any, batch: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss summed over the batch's examples (the model's loss is their mean)."""
         first = next(iter(self.inputs(batch)[1].values()), None)
-        n = torch.tensor(float(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1.0,
-                         device=loss.device)
+        n = torch.full((), float(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1.0,
+                       device=loss.device)  # a fill, not a host-to-device copy: no sync on a GPU
         return (loss.detach().float() * n).reshape(1), n
 
     def target(self, batch: Any) -> torch.Tensor:
@@ -253,7 +253,7 @@ class Task:
 
     def count(self, batch: Any) -> torch.Tensor:
         target = self.target(batch)
-        return torch.tensor(float(target.shape[0]) if target.dim() else 1.0, device=target.device)
+        return torch.full((), float(target.shape[0]) if target.dim() else 1.0, device=target.device)
 
     def finish(self, means: dict[str, float]) -> dict[str, float]:
         """Turn the means of ``metric_names`` into the logged metrics (e.g. perplexity from the loss)."""
@@ -286,7 +286,7 @@ class Classification(Task):
 
     def sums(self, output: Any, batch: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, y = self._logits(output, batch)
-        n = torch.tensor(float(y.numel()), device=y.device)
+        n = torch.full((), float(y.numel()), device=y.device)  # a fill, not a host-to-device copy: no sync
         correct = (logits.detach().argmax(dim=-1) == y).sum()
         return torch.stack([loss.detach().float() * n, correct.float()]), n
 

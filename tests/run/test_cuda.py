@@ -15,6 +15,7 @@ from hookexp.run.loop import train
 from hookexp.run.sinks import Sinks
 from hookexp.run.trainer import Trainer
 from hookexp.telemetry.observer import Observers
+from hookexp.telemetry.stats import ACTIVATION_STATS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """torch's sync debug mode set to "error" from the end of each log step (its record handed to the
     sinks) to the start of the next: any synchronising CUDA call on the steps between (an .item(), a
-    blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on."""
+    blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on, the gradient
+    noise scale (over two micro-batches) and the forensics ring buffer too."""
     start, log, evaluate = Observers.start, Sinks.log, Trainer.evaluate
     modes: dict[int, int] = {}
 
@@ -54,7 +56,8 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     try:
         summary = train(config(*hooks, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
                                "stats.params=*", "stats.updates=*", "stats.optimizer=*", r"stats.group_by='re:^conv\d'",
-                               "trainer.max_steps=30", "guard.nan_policy=raise"), tmp_path)
+                               "trainer.max_steps=30", "guard.nan_policy=raise", "trainer.accumulate=2",
+                               "stats.gns=true"), tmp_path)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert summary["status"] == "finished" and summary["hook/clip/calls"] == 30 * 8
@@ -75,7 +78,8 @@ def test_a_cuda_run_logs_the_statistics_a_cpu_run_logs(tmp_path: Path, monkeypat
     assert cpu["hook/clamp_conv/calls"] == gpu["hook/clamp_conv/calls"] == 2
     first_cpu, first_gpu = (read_jsonl(tmp_path / d / "metrics.jsonl")[0] for d in ("cpu", "cuda"))
     keys = [k for k, v in first_cpu.items() if isinstance(v, float) and not k.startswith("perf/")]
-    assert sum(k.startswith("grad/") for k in keys) >= 8 * 7 and sum(k.startswith("act/") for k in keys) == 3 * 3
+    assert sum(k.startswith("grad/") for k in keys) >= 8 * 7
+    assert sum(k.startswith("act/") for k in keys) == 3 * len(ACTIVATION_STATS)  # relu1..3
     assert sum(k.startswith("hook/") for k in keys) >= 3
     assert set(first_gpu) == set(first_cpu)
     for key in keys:

@@ -338,3 +338,24 @@ def test_the_hf_callback_names_the_module_that_went_first(tmp_path: Path):
     Batches(model=Wrapper(), args=args, optimizers=(optimizer, None), callbacks=[callback]).train()
     assert_fc2_first(callback.spikes)
     assert (tmp_path / "forensics" / f"step_{LOOP_AT}.png").exists()
+
+
+def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
+    """A tensor's norm is reused while it is unchanged; ReLU(inplace=True) changes it in place."""
+    torch.manual_seed(0)
+    net = nn.Sequential(OrderedDict(fc=nn.Linear(4, 8), relu=nn.ReLU(inplace=True), out=nn.Linear(8, 2)))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    forensics = Forensics(net, opt, window=4)
+    observers = Observers({"forensics": forensics}, opt)
+    x = torch.randn(16, 4)
+    observers.start(0, False)
+    h = nn.functional.linear(x, net.fc.weight, net.fc.bias)
+    net(x).sum().backward()
+    opt.step()
+    observers.end(0)
+    _, norms, ins = forensics.history()
+    rms = lambda t: float(t.norm() / math.sqrt(t.numel()))  # noqa: E731
+    assert forensics.layout[:3] == [Target(m, "output") for m in ("fc", "relu", "out")]
+    assert norms[0, :2].tolist() == pytest.approx([rms(h), rms(h.relu())], rel=1e-6)
+    assert ins[0].tolist() == pytest.approx([rms(x), rms(h.relu()), rms(h.relu())], rel=1e-6)
+    observers.close()
