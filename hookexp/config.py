@@ -92,13 +92,14 @@ class SpikeConfig:
 class ForensicsConfig:
     """``guard.forensics``: which layer went wrong first (hookexp/telemetry/forensics.py). On wherever the guard
     (nan_policy other than off) or the spike recorder is on: a ring buffer on the device keeps, every step, the
-    norm of each module's output and input and of each parameter's gradient, update, weight and optimizer state;
+    norm of each module's output and input and of each parameter's gradient, optimizer state and weight (and update);
     a spike or a non-finite step ranks them by the step each left its own recent range."""
 
     window: int = 32  # steps kept (at least 4); 0: off
     z: float = 8.0  # the robust z-score of log(norm) against its earlier steps that counts as leaving the range
     top: int = 10  # targets listed in spikes.jsonl's "first"
-    updates: bool = True  # also the update norms: costs one copy of the weights on the device
+    # also the update norms: costs one copy of the weights on the device (memory) and three passes over them a step
+    updates: bool = False
 
 
 @dataclass

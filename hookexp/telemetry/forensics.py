@@ -3,8 +3,9 @@
 While training, a ring buffer on the device keeps one cheap norm per target for each of the last ``window``
 steps: every module's output (and its input, to tell a producer from a propagator), every parameter's
 gradient, update and weight, and the optimizer's per-parameter state (Adam's moments). Recording costs a few
-small kernels a step (one norm per module call, one fused norm per parameter family, one copy of the weights
-for the updates) and no host sync; the buffer is read back only when something went wrong.
+small kernels a step (one norm per distinct tensor a module returns or takes, one fused norm per parameter
+family; with ``updates``, one copy of the weights) and no host sync; the buffer is read back only when something
+went wrong.
 
 When the spike recorder fires, or the non-finite guard, :meth:`Forensics.report` ranks the targets by the
 first step at which each left its own recent range: the robust z-score of the step's change of log(norm)
@@ -108,7 +109,7 @@ class Forensics(Observer):
     of the weights)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, window: int = 32, z: float = 8.0,
-                 top: int = 10, updates: bool = True):
+                 top: int = 10, updates: bool = False):
         for key, value, least in (("window", window, 4), ("top", top, 1)):  # window 0 (off): not built at all
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.",

@@ -119,7 +119,7 @@ DEFAULTS = {
     "trainer.strategy": "auto", "trainer.fsdp.wrap": "@blocks", "trainer.fsdp.reshard_after_forward": True,
     "guard.nan_policy": "raise", "guard.spike.metric": None, "guard.spike.window": 20, "guard.spike.threshold": 3.0,
     "guard.spike.min_value": 0.0, "guard.spike.steps": 10, "guard.spike.record": [], "guard.spike.checkpoint": True,
-    "guard.forensics.window": 32, "guard.forensics.z": 8.0, "guard.forensics.top": 10, "guard.forensics.updates": True,
+    "guard.forensics.window": 32, "guard.forensics.z": 8.0, "guard.forensics.top": 10, "guard.forensics.updates": False,
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
     "stats.gns": False, "stats.gns_ema": 0.95,

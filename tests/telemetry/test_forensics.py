@@ -59,7 +59,8 @@ def test_an_output_scaled_x50_puts_that_module_first(tmp_path: Path, module: str
 
 
 def test_a_gradient_scaled_before_the_update_is_first_though_the_loss_spikes_a_step_later(tmp_path: Path):
-    summary = train(config(*RUN, at_step("fc2.weight", "pre_step", "scale", factor=1e4)), tmp_path)
+    boom = at_step("fc2.weight", "pre_step", "scale", factor=1e4)
+    summary = train(config(*RUN, "guard.forensics.updates=true", boom), tmp_path)
     spike = the_spike(tmp_path)
     assert spike["trainer/step"] == AT + 1 and summary["guard/spikes"] == 1  # the loss sees the update a step later
     first = spike["first"]
@@ -114,7 +115,7 @@ def test_the_buffer_holds_what_plain_torch_gives():
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.Adam(net.parameters(), lr=0.1)
-    forensics = Forensics(net, opt, window=4)
+    forensics = Forensics(net, opt, window=4, updates=True)
     observers = Observers({"forensics": forensics}, opt)
     xs = [torch.randn(5, 3) for _ in range(3)]
     want = []
