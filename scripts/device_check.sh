@@ -18,7 +18,8 @@
 #   python -m pip wheel --no-deps antlr4-python3-runtime==4.9.3 mup==1.0.0 -w .whl     # sdists only: pure wheels
 # W&B runs offline. Environment: OUT (default /tmp/device_check), DEADLINE (seconds from the start that the last
 # phase must end by, default 430), PY (default python3), BENCH_CASES, BENCH_STEPS, BENCH_REPEATS, BENCH_LIMIT (the
-# main benchmark's --cases, --steps, --repeats and --time-limit), SKIP_SUITE=1 (no last phase).
+# main benchmark's --cases, --steps, --repeats and --time-limit), SKIP_TESTS=1 (no CUDA tests), SKIP_GPT=1 (no small
+# gpt phase), SKIP_SUITE=1 (no last phase).
 set -u
 start=$SECONDS
 OUT="${OUT:-/tmp/device_check}"
@@ -93,9 +94,13 @@ note machine $?
 
 phase "CUDA tests: every test whose id names cuda (tests/run/test_cuda.py, the cuda-parametrised ones)"
 t0=$SECONDS
-timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider -m 'not slow' -k cuda -rs tests \
-    --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
-note cuda-tests "${PIPESTATUS[0]}"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider -m 'not slow' -k cuda -rs tests \
+        --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
+    note cuda-tests "${PIPESTATUS[0]}"
+else
+    note cuda-tests skipped
+fi
 
 phase "overhead benchmark: gpt2_124m (bf16, batch 8 x 1024) on the GPU"
 t0=$SECONDS
@@ -109,7 +114,7 @@ note bench-gpt2_124m "${PIPESTATUS[0]}"
 
 phase "overhead benchmark: watch() vs wandb.watch on the issue's gpt (d_model 256, 4 blocks) on the GPU"
 t0=$SECONDS
-if [ "$(left)" -gt 45 ]; then
+if [ "${SKIP_GPT:-0}" != 1 ] && [ "$(left)" -gt 45 ]; then
     timeout -s USR1 -k 20 $(( $(left) > 100 ? 100 : $(left) - 5 )) $PY benchmarks/overhead.py --device cuda --models gpt \
         --cases a,b,a_wb,w,e --repeats 3 --time-limit 60 --json "$OUT/bench_gpt.json" 2>&1 | tee "$OUT/bench_gpt.log"
     note bench-gpt "${PIPESTATUS[0]}"
