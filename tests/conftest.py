@@ -42,10 +42,16 @@ def config(*overrides: str):
         return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
 
 
+def helpers_path() -> str:
+    """PYTHONPATH for a child process: tests/helpers first, then what the environment had (a machine whose
+    packages live on PYTHONPATH keeps them)."""
+    return os.pathsep.join([str(HELPERS), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
     """``python -m hookexp ARGS`` in ``cwd``; tests/helpers is on PYTHONPATH for the user transforms."""
-    base = {**os.environ, "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
+    base = {**os.environ, "PYTHONPATH": helpers_path(), "WANDB_SILENT": "true"}
     base.pop("WANDB_MODE", None)
     env = {**base, **(env or {})}
     flags = [a for a in args if a.startswith("-")]  # -m and friends go before the overrides

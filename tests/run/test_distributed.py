@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from conftest import HELPERS, read_jsonl
+from conftest import helpers_path, read_jsonl
 from hydra import compose, initialize_config_module
 
 from hookexp.run.build import build
@@ -25,7 +25,7 @@ SPECS = ["+hooks.local={target:fc2.bias,kind:grad,transform:record}",
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=2 -m hookexp ARGS`` with CPU ranks, also on a GPU machine."""
-    env = {**os.environ, "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": helpers_path(), "WANDB_SILENT": "true"}
     with socket.socket() as s:  # a free port: a fixed one fails when another job (a second test run) holds it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, config, read_jsonl, wandb_summary
+from conftest import HELPERS, config, helpers_path, read_jsonl, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.loop import train
@@ -129,7 +129,7 @@ def test_sigterm_just_after_the_run_finished_exits_0(tmp_path):
 
 
 def fault(cwd: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": helpers_path(), "WANDB_SILENT": "true"}
     return subprocess.run([sys.executable, str(HELPERS / "fault_runner.py"), mode, "trainer.progress=false", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, TESTS, config, read_jsonl, run_cli
+from conftest import HELPERS, TESTS, config, helpers_path, read_jsonl, run_cli
 from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, ConfigError, HookCompatibilityError
@@ -62,7 +62,7 @@ def without_timing(path: Path) -> list[dict]:
 def torchrun(args: list[str], cwd: Path, *, nodes: int = 1, timeout: int = 240) -> list[subprocess.CompletedProcess]:
     """``torchrun ... ARGS`` with 2 CPU ranks: one node with 2 processes, or 2 nodes (two torchrun agents on this
     machine, one process each) meeting at a c10d rendezvous, as on two machines."""
-    env = {**os.environ, "PYTHONPATH": str(HELPERS), "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": helpers_path(), "WANDB_SILENT": "true"}
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         commands = [[*run, "--standalone", "--nproc_per_node=2", *args]]
