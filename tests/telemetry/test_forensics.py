@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HELPERS, config, has_module, read_jsonl
+from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
 from hookexp.errors import ConfigError, NonFiniteError
@@ -285,27 +286,13 @@ def test_the_lightning_callback_names_the_module_that_went_first(tmp_path: Path)
     from hookexp.integrations.lightning import HookexpCallback
 
     net = mlp()
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            for name, child in net.named_children():
-                self.add_module(name, child)
-
-        def forward(self, x):
-            return net(x)
-
-        def training_step(self, batch, i):
-            return nn.functional.cross_entropy(self(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
+    module = lightning_module(net, lambda m, batch: nn.functional.cross_entropy(m(batch[0]), batch[1]),
+                              lambda params: torch.optim.SGD(params, lr=0.05))
     callback = HookexpCallback(hooks=SCALE_FC2, stats={"every": 1}, guard=GUARD)
     trainer = pl.Trainer(max_steps=LOOP_AT + 3, logger=False, callbacks=[callback], accelerator="cpu", devices=1,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(tmp_path))
-    trainer.fit(Module(), torch.utils.data.DataLoader(batches(), batch_size=None))
+    trainer.fit(module, torch.utils.data.DataLoader(batches(), batch_size=None))
     assert_fc2_first(callback.spikes)
     assert (tmp_path / "forensics" / f"step_{LOOP_AT}.png").exists()
 
@@ -317,26 +304,13 @@ def test_the_hf_callback_names_the_module_that_went_first(tmp_path: Path):
     from hookexp.integrations.hf import HookexpCallback
 
     net = mlp()
-
-    class Wrapper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            for name, child in net.named_children():
-                self.add_module(name, child)
-
-        def forward(self, x, labels):
-            return {"loss": nn.functional.cross_entropy(net(x), labels)}
-
-    class Batches(transformers.Trainer):
-        def get_train_dataloader(self):
-            return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches()], batch_size=None)
-
+    model = hf_model(net, lambda out, x, labels: nn.functional.cross_entropy(out, labels))
     callback = HookexpCallback(hooks=SCALE_FC2, stats={"every": 1}, guard=GUARD, log=lambda m, s: None)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=LOOP_AT + 3, max_grad_norm=0.0,
                                           lr_scheduler_type="constant", report_to=[], use_cpu=True,
                                           logging_strategy="no", save_strategy="no", disable_tqdm=True)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
-    Batches(model=Wrapper(), args=args, optimizers=(optimizer, None), callbacks=[callback]).train()
+    hf_trainer(batches(), model=model, args=args, optimizers=(optimizer, None), callbacks=[callback]).train()
     assert_fc2_first(callback.spikes)
     assert (tmp_path / "forensics" / f"step_{LOOP_AT}.png").exists()
 

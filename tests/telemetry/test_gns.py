@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import has_module, read_jsonl
+from frameworks import capture_logger, hf_model, hf_trainer, lightning_module
 
 import hookexp
 from hookexp import ConfigError
@@ -255,48 +256,19 @@ def test_watch_in_a_hand_loop_counts_the_backward_passes_and_logs_what_the_train
 @pytest.mark.skipif(not has_module("lightning"), reason="needs the extra .[lightning]")
 def test_the_lightning_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path):
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import Logger
 
     from hookexp.integrations.lightning import HookexpCallback
 
     parts, batches = the_same_model_and_micro_batches()
     net, task = parts.model, parts.task
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            for name, child in net.named_children():
-                self.add_module(name, child)
-
-        def forward(self, x):
-            return net(x)
-
-        def training_step(self, batch, i):
-            return task.loss(task.forward(self, batch), batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.0)
-
-    class Capture(Logger):
-        name, version = "capture", 0
-
-        def __init__(self):
-            super().__init__()
-            self.rows: dict[int, dict] = {}
-
-        def log_metrics(self, metrics, step=None):
-            if "trainer/step" in metrics:
-                self.rows[step] = metrics
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
-
-    logger = Capture()
+    module = lightning_module(net, lambda m, batch: task.loss(task.forward(m, batch), batch),
+                              lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.0))
+    logger = capture_logger()
     stats = {"every": 1, "grads": None, "group_by": GROUP_BY, "gns": True, "gns_ema": 0.5}
     trainer = pl.Trainer(max_steps=STEPS, logger=logger, callbacks=[HookexpCallback(stats=stats)],
                          accumulate_grad_batches=ACCUMULATE, accelerator="cpu", devices=1, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     assert_same(logger.rows, trainer_rows)
 
 
@@ -308,20 +280,7 @@ def test_the_hf_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path
 
     parts, batches = the_same_model_and_micro_batches()
     net, task, optimizer = parts.model, parts.task, parts.optimizer
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            for name, child in net.named_children():
-                self.add_module(name, child)
-
-        def forward(self, x, labels):
-            return {"loss": task.loss(net(x), (x, labels))}
-
-    class Batches(transformers.Trainer):
-        def get_train_dataloader(self):
-            return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches], batch_size=None)
-
+    model = hf_model(net, lambda out, x, labels: task.loss(out, (x, labels)))
     got: dict[int, dict] = {}
     stats = {"every": 1, "grads": None, "group_by": GROUP_BY, "gns": True, "gns_ema": 0.5}
     callback = HookexpCallback(stats=stats, log=lambda metrics, step: got.__setitem__(step, metrics))
@@ -329,5 +288,5 @@ def test_the_hf_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path
                                           gradient_accumulation_steps=ACCUMULATE, lr_scheduler_type="constant",
                                           report_to=[], use_cpu=True, logging_strategy="no", save_strategy="no",
                                           disable_tqdm=True)
-    Batches(model=Wrapper(), args=args, optimizers=(optimizer, None), callbacks=[callback]).train()
+    hf_trainer(batches, model=model, args=args, optimizers=(optimizer, None), callbacks=[callback]).train()
     assert_same(got, trainer_rows)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import has_module, read_jsonl, wandb_history
+from frameworks import capture_logger, hf_model, hf_trainer, lightning_module
 from omegaconf import OmegaConf
 
 import hookexp
@@ -152,48 +153,19 @@ def test_a_watch_that_starts_at_step_k_counts_the_hook_schedules_from_k():
 @pytest.mark.skipif(not has_module("lightning"), reason="needs the extra .[lightning]")
 def test_the_lightning_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path):
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import Logger
 
     from hookexp.integrations.lightning import HookexpCallback
 
     parts, batches = the_same_model_and_batches()
     net, task = parts.model, parts.task
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            for name, child in net.named_children():  # the same parameter names as the trainer's model
-                self.add_module(name, child)
-
-        def forward(self, x):
-            return net(x)
-
-        def training_step(self, batch, i):
-            return task.loss(task.forward(self, batch), batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.0)
-
-    class Capture(Logger):
-        name, version = "capture", 0
-        def __init__(self):
-            super().__init__()
-            self.rows: dict[int, dict] = {}
-
-        def log_metrics(self, metrics, step=None):
-            if "trainer/step" in metrics:
-                self.rows[step] = metrics
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
-
-    logger = Capture()
+    module = lightning_module(net, lambda m, batch: task.loss(task.forward(m, batch), batch),
+                              lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.0))
+    logger = capture_logger()
     trainer = pl.Trainer(max_steps=STEPS, logger=logger,
                          callbacks=[HookexpCallback(hooks=hooks(), stats=callback_stats())],
                          accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path))
-    loader = torch.utils.data.DataLoader(batches, batch_size=None)
-    trainer.fit(Module(), loader)
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     assert_same(logger.rows, trainer_rows)
 
 
@@ -205,27 +177,14 @@ def test_the_hf_callback_logs_what_the_trainer_logs(trainer_rows, tmp_path: Path
 
     parts, batches = the_same_model_and_batches()
     net, task, optimizer = parts.model, parts.task, parts.optimizer
-
-    class Wrapper(torch.nn.Module):  # what a HF Trainer wants: a mapping in, a loss out
-        def __init__(self):
-            super().__init__()
-            for name, child in net.named_children():
-                self.add_module(name, child)
-
-        def forward(self, x, labels):
-            return {"loss": task.loss(net(x), (x, labels))}
-
-    class Batches(transformers.Trainer):
-        def get_train_dataloader(self):
-            return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches], batch_size=None)
-
+    model = hf_model(net, lambda out, x, labels: task.loss(out, (x, labels)))
     got: dict[int, dict] = {}
     callback = HookexpCallback(hooks=hooks(), stats=callback_stats(),
                                log=lambda metrics, step: got.__setitem__(step, metrics))
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, max_grad_norm=0.0,
                                           lr_scheduler_type="constant", report_to=[], use_cpu=True,
                                           logging_strategy="no", save_strategy="no", disable_tqdm=True)
-    trainer = Batches(model=Wrapper(), args=args, optimizers=(optimizer, None), callbacks=[callback])
+    trainer = hf_trainer(batches, model=model, args=args, optimizers=(optimizer, None), callbacks=[callback])
     trainer.train()
     assert_same(got, trainer_rows)
     logged = [r for r in trainer.state.log_history if "grad/global_norm" in r]
@@ -243,24 +202,13 @@ def test_under_the_hf_trainers_own_clip_the_statistics_describe_the_clipped_grad
     parts, batches = the_same_model_and_batches()
     net, task = parts.model, parts.task
 
-    class Wrapper(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x, labels):
-            return {"loss": task.loss(self.net(x), (x, labels))}
-
-    class Batches(transformers.Trainer):
-        def get_train_dataloader(self):
-            return torch.utils.data.DataLoader([{"x": x, "labels": y} for x, y in batches], batch_size=None)
-
     got: dict[int, dict] = {}
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, max_grad_norm=0.05,
                                           report_to=[], use_cpu=True, logging_strategy="no", save_strategy="no",
                                           disable_tqdm=True)
     callback = HookexpCallback(stats={"every": 1, "hist_bins": 0}, log=lambda m, s: got.__setitem__(s, m))
-    Batches(model=Wrapper(), args=args, optimizers=(parts.optimizer, None), callbacks=[callback]).train()
+    model = hf_model(net, lambda out, x, labels: task.loss(out, (x, labels)))
+    hf_trainer(batches, model=model, args=args, optimizers=(parts.optimizer, None), callbacks=[callback]).train()
     assert sorted(got) == [0, 1, 2]
     assert all(row["grad/global_norm"] == pytest.approx(0.05, rel=1e-5) for row in got.values())
 
