@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,12 @@ def wandb_runs(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "wandb").glob("offline-run-*"))
 
 
+def run_id(run: Path) -> str:
+    """The W&B run id of an offline run's directory, ``offline-run-<date>_<time>-<id>``; a second one started in
+    the same second as the first gets a ``-1`` after it."""
+    return re.fullmatch(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)(-\d+)?", run.name).group(1)
+
+
 def wandb_rows(run: Path) -> list[dict]:
     out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(run)],
                          capture_output=True, text=True, timeout=120, check=True)
@@ -134,7 +141,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_
     run_train(cfg(2), run)
     (first,) = wandb_runs(run)
     kept = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["sinks"]
-    assert kept == {"hookexp.run.sinks.WandbSink": {"id": first.name.rsplit("-", 1)[1]}}
+    assert kept == {"hookexp.run.sinks.WandbSink": {"id": run_id(first)}}
     history = [r for r in wandb_rows(first) if "plots/grad_norms._type" not in r]
     local = read_jsonl(run / "metrics.jsonl")
     assert [r["trainer/step"] for r in history] == [r["trainer/step"] for r in local] == [0, 1, 1]  # the last: val
@@ -143,7 +150,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_
 
     run_train(cfg(4), run, resume=True)
     second = [p for p in wandb_runs(run) if p != first]
-    assert [p.name.rsplit("-", 1)[1] for p in second] == [first.name.rsplit("-", 1)[1]]  # the same W&B run id
+    assert [run_id(p) for p in second] == [run_id(first)]  # the same W&B run id
     steps = [r["trainer/step"] for r in wandb_rows(second[0]) if "plots/grad_norms._type" not in r]
     assert steps == [2, 3, 3]
 
@@ -167,4 +174,4 @@ def test_a_checkpoint_that_names_the_backend_by_its_old_path_continues_its_wandb
     torch.save(ckpt, path)
     run_train(cfg(4), run, resume=True)
     second = [p for p in wandb_runs(run) if p != first]
-    assert [p.name.rsplit("-", 1)[1] for p in second] == [first.name.rsplit("-", 1)[1]]  # the same W&B run id
+    assert [run_id(p) for p in second] == [run_id(first)]  # the same W&B run id
