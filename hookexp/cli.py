@@ -1,4 +1,4 @@
-"""``python -m hookexp`` / ``hookexp``: the Hydra entry point.
+"""``python -m hookexp`` / ``hookexp``: the Hydra entry point, and the subcommands ``report``, ``ablate``, ``replay``.
 
 Hydra composes ``conf/`` (shipped inside the package as ``hookexp.conf``) with the command line; this
 module checks the composed config, claims the run directory and hands the config to the run layer. A
@@ -268,7 +268,32 @@ class SweepSummary(Callback):
         sys.exit(1)
 
 
+# `hookexp NAME ...` with NAME one of these runs the module's main(argv) -> exit status; every other first word is
+# the training command. Imported only when named, so that a missing one (replay) leaves the others working.
+SUBCOMMANDS = {
+    "report": "hookexp.analysis.report",  # hookexp report DIR [DIR ...]: the table and plot of a sweep
+    "ablate": "hookexp.analysis.ablate",  # hookexp ablate hooks=[a,b] seed=0,1: a leave-one-out ablation
+    "replay": "hookexp.run.replay",  # hookexp replay RUN_DIR --step N: one step of a run again
+}
+
+
+def subcommand(name: str, argv: list[str]) -> int:
+    """Run ``hookexp NAME ARGV``; returns its exit status."""
+    import importlib
+
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name])
+    except ModuleNotFoundError as e:
+        if e.name != SUBCOMMANDS[name]:
+            raise
+        print(f"hookexp: error: {name} is not available in this version of hookexp.", file=sys.stderr)
+        return 2
+    return int(module.main(argv) or 0)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        sys.exit(subcommand(sys.argv[1], sys.argv[2:]))
     # The console script `hookexp` finds the user's own modules in the current directory, as `python -m` does.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -30,7 +30,6 @@ from hookexp.goals import lower_is_better
 from hookexp.run import distributed
 from hookexp.run.build import Parts
 from hookexp.run.checkpoint import Checkpointer, LoopState
-from hookexp.run.checkpoint.config_diff import moved
 from hookexp.run.loaders import to_device
 from hookexp.run.manifest import build_manifest
 from hookexp.run.observers import trainer_observers
@@ -299,8 +298,7 @@ class Trainer:
         # into another directory (resume=PATH) starts a new one, so that the two never write into one
         same_dir = self.ckpt.source_run_dir is not None and \
             self.ckpt.source_run_dir.resolve() == self.run_dir.resolve()
-        # a checkpoint written before the package layout moved names the backend by its old path
-        saved = {moved(k): v for k, v in resumed.get("sinks", {}).items()} if resumed is not None and same_dir else {}
+        saved = resumed.get("sinks", {}) if resumed is not None and same_dir else {}
         kept = saved.get(target)
         run = RunInfo(self.run_dir, self.config_as_run(), self.hooks.table(),
                       int(resumed["loop"]["step"]) if resumed is not None else None, kept)

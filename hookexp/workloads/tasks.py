@@ -21,7 +21,7 @@ task's own; the metrics are then the loss (and ``ppl`` for ``causal_lm``).
 A user task subclasses :class:`Task` and overrides ``loss`` (and, for more metrics, ``metric_names``
 and ``sums``)::
 
-    class Hinge(hookexp.tasks.Task):
+    class Hinge(hookexp.workloads.tasks.Task):
         def loss(self, output, batch):
             y = self.target(batch).float() * 2 - 1
             return torch.clamp(1 - y * output.squeeze(-1), min=0).mean()

@@ -126,7 +126,7 @@ def test_an_explicit_max_steps_lifts_the_default_epochs_and_the_final_line_names
 def test_an_interpolation_naming_a_missing_key_is_one_paragraph(workdir):
     """Issue 27.8: a model file written for an older data option (``${data.num_classes}``)."""
     (workdir / "mine" / "model").mkdir(parents=True)
-    (workdir / "mine" / "model" / "old.yaml").write_text("_target_: hookexp.models.SmallCNN\n"
+    (workdir / "mine" / "model" / "old.yaml").write_text("_target_: hookexp.workloads.models.SmallCNN\n"
                                                          "num_classes: ${data.num_classes}\n")
     done = run_cli(["--config-dir", str(workdir / "mine"), "model=old", "hydra.run.dir=run"], workdir)
     assert done.returncode == 2 and not (workdir / "run").exists()
@@ -335,8 +335,8 @@ def test_a_users_config_directory_is_found_by_config_dir_and_by_hydra_searchpath
     """Issue 27.10: both ways Hydra documents find the user's hooks/ and model/ files."""
     conf = hook_files(workdir)
     (conf / "model").mkdir()
-    (conf / "model" / "tiny.yaml").write_text("_target_: hookexp.models.MLP\ninput_dim: auto\noutput_dim: auto\n"
-                                              "depth: 2\nwidth: 8\n")
+    (conf / "model" / "tiny.yaml").write_text("_target_: hookexp.workloads.models.MLP\ninput_dim: auto\n"
+                                              "output_dim: auto\ndepth: 2\nwidth: 8\n")
     done = run_cli([*config_dir_flags(how, conf), "model=tiny", "hooks=b", "+dry_run=true", "logger=none",
                     "hydra.run.dir=run"], workdir)
     assert done.returncode == 0, done.stderr[-2000:]

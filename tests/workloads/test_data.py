@@ -1,4 +1,4 @@
-"""hookexp.data: every factory's examples by content against the same thing computed by hand, as_splits on
+"""hookexp.workloads.data: every factory's examples by content against the same thing computed by hand, as_splits on
 each accepted form and its error for anything else, pad_collate, and every conf/data option composed as a
 user selects it."""
 
@@ -299,7 +299,7 @@ def test_as_splits_splits_one_data_set_by_a_fixed_seed():
     assert isinstance(kept.val, TensorSet) and torch.equal(kept.val.x, x[val_idx]) and kept.collate_fn is whole_batch
 
 
-ACCEPTED_TEXT = "Return one of: a hookexp.data.Splits(train, val, info); a pair (train, val) of data sets; a mapping"
+ACCEPTED_TEXT = "Return one of: a hookexp.workloads.data.Splits(train, val, info); a pair (train, val) of data sets"
 
 
 @pytest.mark.parametrize(("obj", "pattern"), [

@@ -16,7 +16,7 @@ Modules: :mod:`~hookexp.workloads.data.splits` (:class:`Splits`, :func:`as_split
 :mod:`~hookexp.workloads.data.collate` (padding), :mod:`~hookexp.workloads.data.local` (local paths, optional
 packages), and one per source: ``arrays`` (digits, synthetic, synthetic_regression), ``grokking``
 (modular_addition), ``text`` (text_file), ``vision`` (torchvision), ``hf`` (hf_disk). Import the names from
-here (``hookexp.workloads.data.digits``); ``hookexp.data`` is the old path and keeps working.
+here (``hookexp.workloads.data.digits``).
 """
 
 from __future__ import annotations
