@@ -90,7 +90,7 @@ class Trainer:
         """Train to ``parts.total_steps``; returns the summary. A signal (SIGTERM/SIGINT) checkpoints and ends
         the run as "interrupted"; any exit goes through :meth:`close`."""
         status = "failed"
-        with self.ckpt.signals():
+        with self.ckpt.stops.catching():
             try:
                 status = self.steps()
             finally:
@@ -122,7 +122,7 @@ class Trainer:
             if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
                 self.evaluate()
             if self.maybe_checkpoint(taken, log_now, spike):
-                log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.signum, loop.step,
+                log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.stops.signum, loop.step,
                             self.ckpt.path)
                 bar.close()
                 return "interrupted"
@@ -252,8 +252,8 @@ class Trainer:
         ``stop_when`` held, a spike, a signal); returns whether a signal asks the run to stop. Under DDP the
         ranks agree on log steps only, so no other step pays a collective."""
         loop, ranks, every = self.loop, self.parts.ranks, self.cfg.trainer.checkpoint_every
-        stopping = self.ckpt.stop_requested if not ranks.enabled else (
-            log_now and ranks.any(self.ckpt.stop_requested, self.parts.device))
+        stopping = self.ckpt.stops.requested if not ranks.enabled else (
+            log_now and ranks.any(self.ckpt.stops.requested, self.parts.device))
         due = every and taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
                                    or self.reached is not None)
         if stopping or due or (spike is not None and self.spikes.checkpoint):
@@ -331,7 +331,8 @@ class Trainer:
             status = "failed"
         summary = summarize(run_dir / "metrics.jsonl") if self.local is not None else {}
         summary.update({
-            "status": status, "signal": self.ckpt.signum, "trainer/steps": loop.step, "trainer/epochs": loop.epoch,
+            "status": status, "signal": self.ckpt.stops.signum, "trainer/steps": loop.step,
+            "trainer/epochs": loop.epoch,
             "runtime_s": time.perf_counter() - self.started, "perf/train_loop_s": loop.train_s,
             "run_dir": str(run_dir), **self.observers.summary(), **calls,
         })
@@ -346,7 +347,7 @@ class Trainer:
             if plot is not None:
                 attempt(self.sinks.image, "plots/grad_norms", plot, max(loop.step - 1, 0))
         attempt(self.draw_forensics)  # a report the guard made as it stopped the run
-        summary["signal"] = self.ckpt.signum  # also one that came during this shutdown (it did not cut it)
+        summary["signal"] = self.ckpt.stops.signum  # also one that came during this shutdown (it did not cut it)
         attempt(self.sinks.finish, summary, status == "failed")
         attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier
         if failures and sys.exc_info()[1] is None:
