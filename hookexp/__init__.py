@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    **dict.fromkeys(("HookHandle", "attach", "validate", "ValidationReport", "match", "KINDS", "register_kind",
+    **dict.fromkeys(("HookHandle", "attach", "check_on_batch", "ValidationReport", "match", "KINDS", "register_kind",
                      "HookSpec", "parse_specs", "TRANSFORMS", "HookContext", "Record", "Transform",
                      "register_transform", "register_transform_alias", "register_aliases"), "hookexp.engine"),
     **dict.fromkeys(("ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError",
@@ -64,13 +64,13 @@ __all__ = [
     "ValidationReport",
     "Watch",
     "attach",
+    "check_on_batch",
     "match",
     "parse_specs",
     "register_aliases",
     "register_kind",
     "register_transform",
     "register_transform_alias",
-    "validate",
     "watch",
 ]
 
@@ -85,13 +85,13 @@ if TYPE_CHECKING:
         Transform,
         ValidationReport,
         attach,
+        check_on_batch,
         match,
         parse_specs,
         register_aliases,
         register_kind,
         register_transform,
         register_transform_alias,
-        validate,
     )
     from hookexp.errors import (
         CheckpointError,

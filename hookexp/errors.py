@@ -84,7 +84,7 @@ class HookRuntimeError(HookexpError, RuntimeError):
 
 
 class HookCheckError(HookexpError):
-    """The dry run (``validate``) found hooks that would fail or misbehave in training."""
+    """The dry run (``check_on_batch``) found hooks that would fail or misbehave in training."""
 
 
 class HookWarning(UserWarning):

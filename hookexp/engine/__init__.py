@@ -6,7 +6,7 @@ Importing this package imports no torch (its names load on first use), so that t
 
     attach(model, specs, optimizer=None, *, measure="read") -> HookHandle
     output_hooks(model, pattern, fn, *, key, phase="train", on=True) -> OutputHooks   (instruments: no spec)
-    validate(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
+    check_on_batch(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
     match(model, pattern, on="module" | "parameter", key="stats.grads") -> [(name, module or parameter)]
     register_transform / register_transform_alias / register_kind / register_aliases (decorators/functions)
     Transform(fn, batched=fn_)  HookContext  Record  HookSpec  parse_specs  KINDS  TRANSFORMS  ALIASES
@@ -18,9 +18,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "attach": "handle", "HookHandle": "handle", "explain_torch_error": "handle",
+    "attach": "handle", "HookHandle": "handle",
     "SpecBinding": "binding", "Site": "binding",
-    "validate": "validate", "ValidationReport": "validate",
+    "check_on_batch": "dryrun", "ValidationReport": "dryrun",
     "output_hooks": "observe", "OutputHooks": "observe",
     "match": "targets", "Target": "targets", "resolve": "targets",
     "register_aliases": "aliases", "ALIASES": "aliases",
@@ -47,7 +47,7 @@ __all__ = [
     "Transform",
     "ValidationReport",
     "attach",
-    "explain_torch_error",
+    "check_on_batch",
     "match",
     "output_hooks",
     "parse_specs",
@@ -56,13 +56,13 @@ __all__ = [
     "register_transform",
     "register_transform_alias",
     "resolve",
-    "validate",
 ]
 
 if TYPE_CHECKING:
     from hookexp.engine.aliases import ALIASES, register_aliases
     from hookexp.engine.binding import Site, SpecBinding
-    from hookexp.engine.handle import HookHandle, attach, explain_torch_error
+    from hookexp.engine.dryrun import ValidationReport, check_on_batch
+    from hookexp.engine.handle import HookHandle, attach
     from hookexp.engine.kinds import KINDS, register_kind
     from hookexp.engine.observe import OutputHooks, output_hooks
     from hookexp.engine.schema import KIND_DOCS, HookSpec
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
         register_transform,
         register_transform_alias,
     )
-    from hookexp.engine.validate import ValidationReport, validate
 
 
 def __getattr__(name: str) -> Any:

@@ -141,6 +141,15 @@ class SpecBinding:
         """Whether the hook acts now: attached, in its step window, and (forward kinds) in its phase."""
         return self.active and (training is None or self.train_phase is None or training is self.train_phase)
 
+    def live_in(self, site: Site, training: bool) -> bool:
+        """:meth:`live` for a forward-side call on a module in mode ``training``; a call skipped for the spec's
+        phase is said once (:meth:`skipped_for_phase`)."""
+        if self.live(training):
+            return True
+        if self.active:
+            self.skipped_for_phase(site, training)
+        return False
+
     def end_step(self) -> None:
         self.calls_last_step = self.calls - self._calls_at_step_start
         self._calls_at_step_start = self.calls

@@ -520,11 +520,6 @@ def _names(specs: SpecsLike) -> list[str]:
     return []
 
 
-def explain_torch_error(exc: BaseException, hooks: HookHandle) -> HookexpError | None:
-    """``hooks.explain(exc)``, as a function (the trainer's spelling)."""
-    return hooks.explain(exc)
-
-
 def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer | None = None, *,
            measure: Measure = "read") -> HookHandle:
     """Attach hook specs to ``model``; returns the :class:`HookHandle` that owns them.

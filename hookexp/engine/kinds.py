@@ -217,9 +217,7 @@ def _forward_pre(site: Site, handle: AttachSite) -> list[Any]:
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not b.active or (b.train_phase is not None and module.training is not b.train_phase):
-            if b.active:
-                b.skipped_for_phase(site, module.training)
+        if not b.live_in(site, module.training):
             return None
         return b.call(site, b.apply_inputs, args, kwargs, site)
 
@@ -232,9 +230,7 @@ def _forward(site: Site, handle: AttachSite) -> list[Any]:
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not b.active or (b.train_phase is not None and module.training is not b.train_phase):
-            if b.active:
-                b.skipped_for_phase(site, module.training)
+        if not b.live_in(site, module.training):
             return None
         aux = args if site.input is None else _picked_input(site.input, args, kwargs)  # what ctx.aux shows
         if b.plain and isinstance(output, torch.Tensor):  # the common case, one call shorter

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from hookexp.analysis.plots import plot_grad_norms
 from hookexp.engine import HookHandle, attach
-from hookexp.engine.validate import hooks_summary
+from hookexp.engine.dryrun import hooks_summary
 from hookexp.errors import ConfigError
 from hookexp.goals import lower_is_better
 from hookexp.run import distributed
