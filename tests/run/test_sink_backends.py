@@ -1,4 +1,4 @@
-"""The logger backends behind hookexp.sinks.Sink (issue 26.4): TensorBoard's event files read back against the
+"""The logger backends behind hookexp.run.sinks.Sink: TensorBoard's event files read back against the
 local files, a missing tensorboard package, an unknown ``logger._target_``, and a resumed W&B run."""
 
 from __future__ import annotations

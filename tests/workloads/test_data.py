@@ -599,7 +599,7 @@ def test_text_file_needs_a_path(hydra_conf):
 
 
 def test_classes_in_reads_the_labels_of_map_style_sets_only():
-    """Issue 27.9: what model.num_classes=auto reads from a user's own data (largest label + 1)."""
+    """What model.num_classes=auto reads from a user's own data (largest label + 1)."""
     from torch.utils.data import Subset
 
     from hookexp.workloads.data import classes_in
