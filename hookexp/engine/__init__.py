@@ -25,8 +25,8 @@ _EXPORTS = {
     "match": "targets", "Target": "targets", "resolve": "targets",
     "register_aliases": "aliases", "ALIASES": "aliases",
     "register_kind": "kinds", "KINDS": "kinds",
-    "register_transform": "transforms", "register_transform_alias": "transforms", "Transform": "transforms",
-    "HookContext": "transforms", "Record": "transforms", "TRANSFORMS": "transforms",
+    "register_transform": "transforms", "register_transform_alias": "transforms", "Transform": "bound",
+    "HookContext": "context", "Record": "context", "TRANSFORMS": "transforms",
     "parse_specs": "specs",
     "HookSpec": "schema", "KIND_DOCS": "schema",
 }
@@ -61,6 +61,8 @@ __all__ = [
 if TYPE_CHECKING:
     from hookexp.engine.aliases import ALIASES, register_aliases
     from hookexp.engine.binding import Site, SpecBinding
+    from hookexp.engine.bound import Transform
+    from hookexp.engine.context import HookContext, Record
     from hookexp.engine.dryrun import ValidationReport, check_on_batch
     from hookexp.engine.handle import HookHandle, attach
     from hookexp.engine.kinds import KINDS, register_kind
@@ -68,14 +70,7 @@ if TYPE_CHECKING:
     from hookexp.engine.schema import KIND_DOCS, HookSpec
     from hookexp.engine.specs import parse_specs
     from hookexp.engine.targets import Target, match, resolve
-    from hookexp.engine.transforms import (
-        TRANSFORMS,
-        HookContext,
-        Record,
-        Transform,
-        register_transform,
-        register_transform_alias,
-    )
+    from hookexp.engine.transforms import TRANSFORMS, register_transform, register_transform_alias
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from hookexp.engine import values
+from hookexp.engine.bound import BoundTransform
+from hookexp.engine.context import HookContext, Record
 from hookexp.engine.schema import HookSpec, Value
-from hookexp.engine.transforms import BoundTransform, HookContext, Record, Shards, local_shard
+from hookexp.engine.shards import Shards, local_shard
 from hookexp.engine.values import Selector
 from hookexp.errors import HookexpError, HookRuntimeError, HookWarning, SpecError, TransformOutputError
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hookexp import TransformArgsError, attach
-from hookexp.engine.transforms import TRANSFORMS, HookContext, bind_transform
+from hookexp.engine import TRANSFORMS, HookContext
+from hookexp.engine.bound import bind_transform
 
 ARGS = {
     "add": {"value": 5.0}, "scale": {"factor": -2.0}, "clamp": {"min": -0.5, "max": 0.5}, "noise": {"std": 0.1},
@@ -152,7 +153,8 @@ def test_batched_transform_equals_the_per_tensor_transform_bit_for_bit(name, dty
         expected = [one(x, HookContext("s", "pre_step", n, step, state=one.state)) for x, n in zip(xs, names,
                                                                                                    strict=True)]
         got = [x.clone() for x in xs]
-        many.batched(got, HookContext("s", "pre_step", "*", step, state=many.state, targets=names), **many.args)
+        many.batched(got, HookContext("s", "pre_step", "*", step, state=many.state, targets=names),
+                     **many.batched_args)
         differ = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not torch.equal(bits(a), bits(b))]
         assert not differ, f"{name} {dtype} step {step}: {len(differ)} of 200 tensors differ, e.g. #{differ[0]}"
 
