@@ -1,21 +1,13 @@
-"""hookexp: declarative PyTorch hook experiments.
-
-The library API (no Hydra, no W&B)::
+"""hookexp: declarative PyTorch hook experiments. The library API (no Hydra, no W&B)::
 
     from hookexp import attach
     with attach(model, {"clamp": {"target": "conv", "kind": "output_grad",
                                   "transform": "clamp", "args": {"min": 0.0}}}) as hooks:
         model(x).sum().backward()
     hooks.stats()
-    # forward kinds act in the module mode their phase names: "train" (default), "eval" (analysis) or "both"
-    with torch.no_grad(), attach(model.eval(), {"ablate": {"target": "@attn", "kind": "forward", "transform": "zero",
-                                                           "phase": "eval"}}):
-        logits = model(x)
 
-    hookexp.watch(model, optimizer, every=10, log=wandb.run)   # the trainer's statistics in any loop
-
-The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`. Names load on first use (PEP 562),
-so ``import hookexp`` and the CLI's ``--help`` import no torch.
+``hookexp.watch(model, optimizer, every=10, log=wandb.run)`` logs the trainer's statistics from any loop; the
+command line is :mod:`hookexp.cli`. Names load on first use: ``import hookexp`` imports no torch.
 """
 
 from __future__ import annotations

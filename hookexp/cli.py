@@ -1,16 +1,11 @@
-"""``python -m hookexp`` / ``hookexp``: the Hydra entry point, and the subcommands ``report``, ``ablate``, ``replay``.
+"""``hookexp`` / ``python -m hookexp``: the Hydra training command, and the subcommands ``report``, ``ablate``
+and ``replay`` (:data:`SUBCOMMANDS`).
 
-Hydra composes ``conf/`` (shipped inside the package as ``hookexp.conf``) with the command line; this
-module checks the composed config, claims the run directory and hands the config to the run layer. A
-mistake hookexp detects is printed as one paragraph and the process exits with status 2; a launch that
-fails before training leaves no run directory behind. Nothing here imports torch until a run starts, so
-``--help`` answers at once.
-
-In a multirun (``-m``) a job that raises does not stop the sweep: its error goes to ``failure.json``
-in its job directory, the sweeper gets NaN (Optuna counts the trial as failed), and when the sweep
-ends :class:`SweepSummary` lists every failed job with its overrides and error, and exits non-zero.
-W&B runs of a sweep are grouped by the sweep directory and named by the job's overrides unless
-``logger.group`` / ``logger.name`` say otherwise.
+Hydra composes ``conf/`` (shipped as ``hookexp.conf``) with the command line; this module checks the composed
+config, claims the run directory and hands the config to the run layer. A mistake hookexp detects is one
+paragraph and exit status 2; a launch that fails before training leaves no run directory. Nothing here imports
+torch until a run starts. In a multirun a failing job writes ``failure.json`` and the sweep goes on;
+:class:`SweepSummary` lists the failures at the end and exits 1 (docs/sweeps.md).
 """
 
 from __future__ import annotations

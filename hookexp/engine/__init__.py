@@ -1,8 +1,5 @@
-"""The hook engine: specs in, torch hooks attached, one handle that owns and removes them.
-
-Other layers (the trainer, telemetry, integrations) use the engine only through the names below.
-Importing this package imports no torch (its names load on first use), so that the torch-free schema
-(:mod:`hookexp.engine.schema`) serves the CLI's help and the Hydra schema.
+"""The hook engine: specs in, torch hooks attached, one handle that owns and removes them. Other layers use it
+only through these names; importing it imports no torch (names load on first use)::
 
     attach(model, specs, optimizer=None, *, measure="read") -> HookHandle
     output_hooks(model, pattern, fn, *, key, phase="train", on=True) -> OutputHooks   (instruments: no spec)

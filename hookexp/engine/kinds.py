@@ -1,15 +1,11 @@
 """Hook kinds: where in forward/backward a spec acts, as thin adapters over torch's hook APIs.
 
-Each kind is registered by decorator under a name whose facts (what it attaches to, the torch API, what
-its transform sees) are written once in :data:`hookexp.engine.schema.KIND_DOCS`. Its ``attach`` function
-registers torch hooks that call the :class:`~hookexp.engine.binding.SpecBinding` of one target through
-``binding.call(site, ...)`` and return what torch expects; schedule, counting, checks, measuring and
-error messages live in the binding, once for all kinds. ``check`` functions refuse, before anything is
-attached, a kind that cannot work on a target. Every error raised inside a hook that is not already
-hookexp's becomes a :class:`~hookexp.errors.HookRuntimeError` naming the spec.
-
-The semantics are torch 2.x's own (see docs/hooks.md, "Kinds"); the tests compare every kind with
-the same hook written by hand.
+Each kind is registered by decorator; its facts (what it attaches to, the torch API, what its transform sees)
+are written once in :data:`hookexp.engine.schema.KIND_DOCS`. Its ``attach`` registers torch hooks that call the
+:class:`~hookexp.engine.binding.SpecBinding` of one target (``binding.call(site, ...)``), where schedule,
+counting, checks, measuring and messages live once for all kinds; its ``check`` refuses, before anything is
+attached, a target it cannot work on. An error inside a hook becomes a
+:class:`~hookexp.errors.HookRuntimeError` naming the spec. The semantics are torch 2.x's own (docs/hooks.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The hook spec's schema, written once: fields, defaults, kinds, and every static check. Imports no torch.
 
-A spec says *where* (``target`` + ``types`` / ``exclude``), *when in forward/backward* (``kind``),
-*what it sees* (``input``, ``index``, ``select``), *what it does* (``transform`` + ``args``) and *on which
-steps* (``enabled``, ``every``, ``start_step``, ``end_step``, ``phase``). :class:`HookSpec` is the one
-definition of those fields: the Hydra schema (``hookexp.config.HookSpecConfig``) is derived from it with
-:func:`config_fields`, and ``python -m hookexp --help`` lists the kinds from :data:`KIND_DOCS`, so the CLI
-never imports torch to show them.
-
-Parsing is strict and complete: an unknown field, a wrong type or an unknown kind/transform is a
-:class:`~hookexp.errors.SpecError` naming the key and the fix, and :func:`check_specs` returns every
-error of every spec at once rather than stopping at the first.
+:class:`HookSpec` is the one definition of a spec's fields (where: ``target``, ``types``, ``exclude``; when:
+``kind``; what it sees: ``input``, ``index``, ``select``; what it does: ``transform``, ``args``; on which
+steps: ``enabled``, ``every``, ``start_step``, ``end_step``, ``phase``). The Hydra schema is derived from it
+(:func:`config_fields`) and ``--help`` lists the kinds from :data:`KIND_DOCS` without torch. :func:`check_specs`
+returns every error of every spec at once, each a :class:`~hookexp.errors.SpecError` naming the key and the fix.
 """
 
 from __future__ import annotations
