@@ -256,18 +256,24 @@ def _output_tensors(b: SpecBinding | type[_NoIndex], output: Any) -> list[tuple[
     return [(k, v) for k, v in values.elements(output) if isinstance(v, torch.Tensor)]
 
 
-@register_kind("output_grad")
-def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
+def _on_output(site: Site, hook_output: Callable[..., bool], missing: str, *extra: Any) -> Any:
+    """A forward hook that, in a pass that builds a graph, hooks the backward side of the output
+    (``hook_output(site, output, *extra)``), noting ``missing`` when there was nothing to hook."""
     b = site.binding
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not b.active or not torch.is_grad_enabled():
             return
-        if not b.call(site, _hook_output_grads, site, output, counted=False):
-            b.note(site.name, "output does not require grad")
+        if not b.call(site, hook_output, site, output, *extra, counted=False):
+            b.note(site.name, missing)
 
-    return [site.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
+    return site.obj.register_forward_hook(hook)  # type: ignore[union-attr]
+
+
+@register_kind("output_grad")
+def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
+    return [_on_output(site, _hook_output_grads, "output does not require grad")]
 
 
 def _hook_output_grads(site: Site, output: Any) -> bool:
@@ -338,16 +344,7 @@ def _backward_legacy(site: Site, handle: AttachSite) -> list[Any]:
 
 def _node_kind(pre: bool) -> Attach:
     def attach(site: Site, handle: AttachSite) -> list[Any]:
-        b = site.binding
-
-        @eager
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not b.active or not torch.is_grad_enabled():
-                return
-            if not b.call(site, _hook_nodes, site, output, pre, counted=False):
-                b.note(site.name, "output has no grad_fn")
-
-        return [site.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
+        return [_on_output(site, _hook_nodes, "output has no grad_fn", pre)]
 
     return attach
 
