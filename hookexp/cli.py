@@ -287,11 +287,11 @@ def subcommand(name: str, argv: list[str]) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
-        sys.exit(subcommand(sys.argv[1], sys.argv[2:]))
     # The console script `hookexp` finds the user's own modules in the current directory, as `python -m` does.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        sys.exit(subcommand(sys.argv[1], sys.argv[2:]))
     args = sys.argv[1:]
     others = [a for a in args if a.startswith("-") or "=" not in a]  # Hydra's flags and their values
     overrides = [a for a in args if not a.startswith("-") and "=" in a]

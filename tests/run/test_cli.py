@@ -203,6 +203,7 @@ def test_help_answers_without_importing_torch(workdir):
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hookexp", "--help"], cwd=workdir,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "== Config groups" in done.stdout
+    assert "== Subcommands" in done.stdout and "report DIR [DIR ...]" in done.stdout and "replay RUN_DIR" in done.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
     assert "hookexp.cli" in imported and "torch" not in imported
 
