@@ -308,7 +308,8 @@ ACCEPTED_TEXT = "Return one of: a hookexp.workloads.data.Splits(train, val, info
     ("digits", r"returned a builtins\.str \('digits'\)"),
     ({"train": [1], "test": [2]}, r"^data\.dataset: returned a mapping with keys \['test', 'train'\]; hookexp needs "
                                   r"'train' and 'val' or 'validation'"),
-    ((torch.zeros(3, 2), torch.zeros(3)), r"returned a pair of tensors .* return hookexp\.data\.TensorSet\(x, y\)"),
+    ((torch.zeros(3, 2), torch.zeros(3)),
+     r"returned a pair of tensors .* return hookexp\.workloads\.data\.TensorSet\(x, y\)"),
     (Stream(), r"returned one iterable data set \(Stream\), which cannot be split by data\.val_fraction"),
     ((tensors(), []), r"^data\.dataset: the val set is empty"),
     (Splits(tensors(), 5), r"^data\.dataset: the val set is a builtins\.int \(5\), not a data set"),
