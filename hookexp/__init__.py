@@ -1,21 +1,13 @@
-"""hookexp: declarative PyTorch hook experiments.
-
-The library API (no Hydra, no W&B)::
+"""hookexp: declarative PyTorch hook experiments. The library API (no Hydra, no W&B)::
 
     from hookexp import attach
     with attach(model, {"clamp": {"target": "conv", "kind": "output_grad",
                                   "transform": "clamp", "args": {"min": 0.0}}}) as hooks:
         model(x).sum().backward()
     hooks.stats()
-    # forward kinds act in the module mode their phase names: "train" (default), "eval" (analysis) or "both"
-    with torch.no_grad(), attach(model.eval(), {"ablate": {"target": "@attn", "kind": "forward", "transform": "zero",
-                                                           "phase": "eval"}}):
-        logits = model(x)
 
-    hookexp.watch(model, optimizer, every=10, log=wandb.run)   # the trainer's statistics in any loop
-
-The command line (``python -m hookexp``) lives in :mod:`hookexp.cli`. Names load on first use (PEP 562),
-so ``import hookexp`` and the CLI's ``--help`` import no torch.
+``hookexp.watch(model, optimizer, every=10, log=wandb.run)`` logs the trainer's statistics from any loop; the
+command line is :mod:`hookexp.cli`. Names load on first use: ``import hookexp`` imports no torch.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    **dict.fromkeys(("HookHandle", "attach", "validate", "ValidationReport", "match", "KINDS", "register_kind",
+    **dict.fromkeys(("HookHandle", "attach", "check_on_batch", "ValidationReport", "match", "KINDS", "register_kind",
                      "HookSpec", "parse_specs", "TRANSFORMS", "HookContext", "Record", "Transform",
                      "register_transform", "register_transform_alias", "register_aliases"), "hookexp.engine"),
     **dict.fromkeys(("ConfigError", "HookCheckError", "HookCompatibilityError", "HookexpError", "HookRuntimeError",
@@ -64,13 +56,13 @@ __all__ = [
     "ValidationReport",
     "Watch",
     "attach",
+    "check_on_batch",
     "match",
     "parse_specs",
     "register_aliases",
     "register_kind",
     "register_transform",
     "register_transform_alias",
-    "validate",
     "watch",
 ]
 
@@ -85,13 +77,13 @@ if TYPE_CHECKING:
         Transform,
         ValidationReport,
         attach,
+        check_on_batch,
         match,
         parse_specs,
         register_aliases,
         register_kind,
         register_transform,
         register_transform_alias,
-        validate,
     )
     from hookexp.errors import (
         CheckpointError,

@@ -1,16 +1,11 @@
-"""``python -m hookexp`` / ``hookexp``: the Hydra entry point.
+"""``hookexp`` / ``python -m hookexp``: the Hydra training command, and the subcommands ``report``, ``ablate``
+and ``replay`` (:data:`SUBCOMMANDS`).
 
-Hydra composes ``conf/`` (shipped inside the package as ``hookexp.conf``) with the command line; this
-module checks the composed config, claims the run directory and hands the config to the run layer. A
-mistake hookexp detects is printed as one paragraph and the process exits with status 2; a launch that
-fails before training leaves no run directory behind. Nothing here imports torch until a run starts, so
-``--help`` answers at once.
-
-In a multirun (``-m``) a job that raises does not stop the sweep: its error goes to ``failure.json``
-in its job directory, the sweeper gets NaN (Optuna counts the trial as failed), and when the sweep
-ends :class:`SweepSummary` lists every failed job with its overrides and error, and exits non-zero.
-W&B runs of a sweep are grouped by the sweep directory and named by the job's overrides unless
-``logger.group`` / ``logger.name`` say otherwise.
+Hydra composes ``conf/`` (shipped as ``hookexp.conf``) with the command line; this module checks the composed
+config, claims the run directory and hands the config to the run layer. A mistake hookexp detects is one
+paragraph and exit status 2; a launch that fails before training leaves no run directory. Nothing here imports
+torch until a run starts. In a multirun a failing job writes ``failure.json`` and the sweep goes on;
+:class:`SweepSummary` lists the failures at the end and exits 1 (docs/sweeps.md).
 """
 
 from __future__ import annotations
@@ -268,10 +263,35 @@ class SweepSummary(Callback):
         sys.exit(1)
 
 
+# `hookexp NAME ...` with NAME one of these runs the module's main(argv) -> exit status; every other first word is
+# the training command. Imported only when named, so that a missing one (replay) leaves the others working.
+SUBCOMMANDS = {
+    "report": "hookexp.analysis.report",  # hookexp report DIR [DIR ...]: the table and plot of a sweep
+    "ablate": "hookexp.analysis.ablate",  # hookexp ablate hooks=[a,b] seed=0,1: a leave-one-out ablation
+    "replay": "hookexp.run.replay",  # hookexp replay RUN_DIR --step N: one step of a run again
+}
+
+
+def subcommand(name: str, argv: list[str]) -> int:
+    """Run ``hookexp NAME ARGV``; returns its exit status."""
+    import importlib
+
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name])
+    except ModuleNotFoundError as e:
+        if e.name != SUBCOMMANDS[name]:
+            raise
+        print(f"hookexp: error: {name} is not available in this version of hookexp.", file=sys.stderr)
+        return 2
+    return int(module.main(argv) or 0)
+
+
 def main() -> None:
     # The console script `hookexp` finds the user's own modules in the current directory, as `python -m` does.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        sys.exit(subcommand(sys.argv[1], sys.argv[2:]))
     args = sys.argv[1:]
     others = [a for a in args if a.startswith("-") or "=" not in a]  # Hydra's flags and their values
     overrides = [a for a in args if not a.startswith("-") and "=" in a]

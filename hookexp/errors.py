@@ -1,14 +1,12 @@
 """Every error hookexp raises on purpose, in one module.
 
-A researcher who mistypes a config should get one paragraph that names the spec, the config key
-that is wrong and the fix, never a traceback from deep inside torch. So every error here carries
-the spec name and the config key it is about, and the message is built once, here, in one format:
+Each carries the spec name and the config key it is about, and its message is built here, in one format::
 
     hooks.<spec>.<field>: <what is wrong>. <how to fix it>
 
-The classes also subclass the matching builtin (ValueError, TypeError, RuntimeError) so generic
-``except ValueError`` code keeps working. Sections: shared helpers and the base class, then one section
-per layer (engine, run, ...); add a layer's classes in its own section.
+The classes also subclass the matching builtin (ValueError, TypeError, RuntimeError), so generic
+``except ValueError`` code keeps working. Sections: shared helpers and the base class, then one section per
+layer (engine, run, ...); add a layer's classes in its own section.
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ class HookRuntimeError(HookexpError, RuntimeError):
 
 
 class HookCheckError(HookexpError):
-    """The dry run (``validate``) found hooks that would fail or misbehave in training."""
+    """The dry run (``check_on_batch``) found hooks that would fail or misbehave in training."""
 
 
 class HookWarning(UserWarning):

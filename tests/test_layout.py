@@ -8,10 +8,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "hookexp"
 
-# the old import paths (issue 26.5 moved them), kept for users: each is the new module under its old name
-SHIMS = ("hookexp.tasks", "hookexp.models", "hookexp.data", "hookexp.schedules", "hookexp.report", "hookexp.ablate",
-         "hookexp.plots", "hookexp.sinks")
-
 # lowest first; a module may import from its own layer and the layers below
 LAYERS = [
     ("hookexp.errors",),
@@ -24,7 +20,6 @@ LAYERS = [
     ("hookexp.run",),
     ("hookexp.analysis",),  # report, ablate
     ("hookexp.integrations", "hookexp.cli", "hookexp.__main__", "hookexp.conf", "hookexp"),
-    SHIMS,  # highest: each imports the module it stands for, and nothing imports them
 ]
 
 
@@ -113,14 +108,6 @@ def test_no_module_imports_from_a_layer_above():
     graph = imports()
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer(t) > layer(m))
     assert upward == []
-
-
-def test_nothing_in_the_package_imports_an_old_path():
-    """The modules left at the old paths (``hookexp.tasks``, ``hookexp.sinks``, ...) are for users; hookexp's own
-    modules import the new ones, so that the shims can go without breaking anything inside."""
-    graph = imports()
-    assert sorted(m for m in graph if m in SHIMS) == sorted(SHIMS)
-    assert sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if t in SHIMS) == []
 
 
 def test_the_checks_find_a_circle_and_an_upward_import():

@@ -41,7 +41,7 @@ def test_your_own_model_data_and_loss_runs_as_the_readme_shows(tmp_path: Path):
 
 
 def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path: Path):
-    """Issue 27.22: nanoGPT's GPT (tests/helpers/nanogpt.py as the user's model.py), trained with the README's command
+    """nanoGPT's GPT (tests/helpers/nanogpt.py as the user's model.py), trained with the README's command
     (smaller); its losses, gradients and hook effects equal those of the adapter a user had to write before (the
     whole logits, under task=causal_lm), step for step."""
     from conftest import HELPERS, TESTS, read_jsonl
@@ -82,7 +82,7 @@ def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path:
 
 
 def test_the_quick_start_gives_the_figure_the_readme_quotes(tmp_path: Path):
-    """Issue 27.3: the README said val/acc "about 0.96" where the quick start gives 0.94. The command and the
+    """The val/acc the README quotes for the quick start is what the quick start gives. The command and the
     figure are read from the README, the command is run as it stands there, and the figure must be its result
     to the digits quoted."""
     text = section(README, "Quick start")

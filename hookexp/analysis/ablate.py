@@ -1,11 +1,11 @@
-"""``python -m hookexp.ablate hooks=[a,b,c] seed=0,1,2 [overrides]``: a leave-one-out ablation.
+"""``hookexp ablate hooks=[a,b,c] seed=0,1,2 [overrides]``: a leave-one-out ablation.
 
 Runs one Hydra multirun over ``+ablate=none,a,b,c,all`` (all specs on, each one off, all off) times
-the given sweeps (seeds), then prints the report table of ``python -m hookexp.report``. The same
+the given sweeps (seeds), then prints the report table of ``hookexp report``. The same
 study by hand:
 
     python -m hookexp -m hooks=[a,b,c] +ablate=none,a,b,c,all seed=0,1,2
-    python -m hookexp.report multirun/<date>/<time>
+    hookexp report multirun/<date>/<time>
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = spec_names(overrides)
     if not names:
-        print("hookexp.ablate: error: the selected hooks have no specs to ablate; select a hook set, e.g. "
+        print("hookexp ablate: error: the selected hooks have no specs to ablate; select a hook set, e.g. "
               "hooks=[clamp_conv,zero_fc_bias].", file=sys.stderr)
         return 2
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")))
     levels = ",".join(["none", *names, "all"])
     command = [sys.executable, "-m", "hookexp", "-m", *overrides, f"+ablate={levels}"]
-    print("hookexp.ablate:", " ".join(command[1:]), file=sys.stderr, flush=True)
+    print("hookexp ablate:", " ".join(command[1:]), file=sys.stderr, flush=True)
     status = subprocess.call(command)
     from hookexp.analysis.report import report
     from hookexp.errors import HookexpError
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         markdown, _, _ = report([sweep_dir])
     except HookexpError as e:
-        print(f"hookexp.ablate: error: {e}", file=sys.stderr)
+        print(f"hookexp ablate: error: {e}", file=sys.stderr)
         return status or 2
     print(markdown)
     return status

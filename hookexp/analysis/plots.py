@@ -1,16 +1,10 @@
-"""Figures from ``metrics.jsonl``: the run's gradient-norm plot and the report's group curves (matplotlib, headless).
+"""Figures from ``metrics.jsonl``: the run's gradient-norm plot and the report's group curves (matplotlib,
+headless).
 
-Both must stay readable where researchers need them most: a 48-layer model (hundreds of parameters),
-gradients that vanish to zero or blow up to NaN, runs spanning decades of steps. So:
-
-- the gradient-norm plot draws one line per parameter only for a few parameters (``LINE_PLOT_MAX``);
-  beyond that a line plot is a tangle, and it draws a layer x step heatmap on a log colour scale instead,
-  rows in model order (one per parameter, or one per block when there are more than ``HEATMAP_ROWS_MAX``);
-- zeros and non-finite values are shown as such (they are what one looks for), never silently dropped;
-- a spread on a log axis is geometric (mean and std of the logarithm), so a band never falls to the
-  bottom of the axis; on a linear axis it is mean ± std clipped to the jobs' own range, so a norm never
-  gets a negative band nor an accuracy one above 1; a single job draws no band;
-- legends sit outside the data.
+Readable at scale: beyond ``LINE_PLOT_MAX`` parameters the gradient norms are a layer x step heatmap on a log
+colour scale (one row per block beyond ``HEATMAP_ROWS_MAX``); zeros and non-finite values are shown, never
+dropped; a spread on a log axis is geometric, on a linear one mean ± std clipped to the jobs' range; a single
+job draws no band; legends sit outside the data. docs/sweeps.md and docs/statistics.md show them.
 """
 
 from __future__ import annotations

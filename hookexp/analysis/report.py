@@ -1,4 +1,28 @@
-"""``python -m hookexp.report DIR [DIR ...]``: the table and plot of a sweep or a set of runs.
+"""``hookexp report DIR [DIR ...]``: the table (``report.md``) and plot (``report.png``) of a sweep or a set
+of runs, with steps to reach a target (``--reach``) and the coordinate check of a width sweep (``--coord``).
+``HELP`` is the full description ``--help`` prints; docs/sweeps.md has the recipes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from hookexp.analysis.plots import Metrics, coord_figure, curves_figure, read_metrics, save, short_labels
+from hookexp.errors import ConfigError, did_you_mean
+from hookexp.goals import Reach
+
+HELP = """``hookexp report DIR [DIR ...]``: the table and plot of a sweep or a set of runs.
 
 Finds every job directory under the given directories (one with ``manifest.json`` or, for a job that
 failed before it wrote one, ``failure.json``), groups jobs by their command-line overrides minus the
@@ -29,30 +53,10 @@ the least-squares line through log(mean |x|) against log(width) at the group's l
 when a slope is above X or cannot be computed (a value NaN, Inf or 0): the check a model's CI can run.
 
 Examples:
-  python -m hookexp.report multirun/2026-11-22/10-00-00
-  python -m hookexp.report multirun/2026-11-22/10-00-00 --reach val/acc=0.95 --logx --out reports/grokfast
-  python -m hookexp.report multirun/2026-11-22/10-00-00 --coord --max-slope 0.2
+  hookexp report multirun/2026-11-22/10-00-00
+  hookexp report multirun/2026-11-22/10-00-00 --reach val/acc=0.95 --logx --out reports/grokfast
+  hookexp report multirun/2026-11-22/10-00-00 --coord --max-slope 0.2
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import math
-import re
-import statistics
-import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-import yaml
-
-from hookexp.analysis.plots import Metrics, coord_figure, curves_figure, read_metrics, save, short_labels
-from hookexp.errors import ConfigError, did_you_mean
-from hookexp.goals import Reach
 
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
 CURVES = ("train/loss", "val/acc")
@@ -325,7 +329,7 @@ def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, .
 
 def plot(groups: list[Group], out: Path, curves: tuple[str, ...] = CURVES, logx: bool = False,
          reach: Sequence[Reach] = ()):
-    """Write report.png; returns the :class:`hookexp.plots.Panel` s as drawn (what tests check)."""
+    """Write report.png; returns the :class:`hookexp.analysis.plots.Panel` s as drawn (what tests check)."""
     labels = short_labels([g.name for g in groups])
     data = {m: [(f"{label} (n={len(g.jobs)})", [j.curve(m) for j in g.jobs]) for label, g in
                 zip(labels, groups, strict=True)] for m in curves}
@@ -457,7 +461,7 @@ def coord_check(roots: list[Path], out_dir: Path | None = None, width_keys: Sequ
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hookexp.report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hookexp report", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="a multirun directory, or run directories")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and report.png go, created if "

@@ -1,12 +1,9 @@
-"""The hook engine: specs in, torch hooks attached, one handle that owns and removes them.
-
-Other layers (the trainer, telemetry, integrations) use the engine only through the names below.
-Importing this package imports no torch (its names load on first use), so that the torch-free schema
-(:mod:`hookexp.engine.schema`) serves the CLI's help and the Hydra schema.
+"""The hook engine: specs in, torch hooks attached, one handle that owns and removes them. Other layers use it
+only through these names; importing it imports no torch (names load on first use)::
 
     attach(model, specs, optimizer=None, *, measure="read") -> HookHandle
     output_hooks(model, pattern, fn, *, key, phase="train", on=True) -> OutputHooks   (instruments: no spec)
-    validate(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
+    check_on_batch(model, specs, example_batch, optimizer=None, loss_fn=None, *, forward=None) -> ValidationReport
     match(model, pattern, on="module" | "parameter", key="stats.grads") -> [(name, module or parameter)]
     register_transform / register_transform_alias / register_kind / register_aliases (decorators/functions)
     Transform(fn, batched=fn_)  HookContext  Record  HookSpec  parse_specs  KINDS  TRANSFORMS  ALIASES
@@ -18,15 +15,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "attach": "handle", "HookHandle": "handle", "explain_torch_error": "handle",
+    "attach": "handle", "HookHandle": "handle",
     "SpecBinding": "binding", "Site": "binding",
-    "validate": "validate", "ValidationReport": "validate",
+    "check_on_batch": "dryrun", "ValidationReport": "dryrun",
     "output_hooks": "observe", "OutputHooks": "observe",
     "match": "targets", "Target": "targets", "resolve": "targets",
     "register_aliases": "aliases", "ALIASES": "aliases",
     "register_kind": "kinds", "KINDS": "kinds",
-    "register_transform": "transforms", "register_transform_alias": "transforms", "Transform": "transforms",
-    "HookContext": "transforms", "Record": "transforms", "TRANSFORMS": "transforms",
+    "register_transform": "transforms", "register_transform_alias": "transforms", "Transform": "bound",
+    "HookContext": "context", "Record": "context", "TRANSFORMS": "transforms",
     "parse_specs": "specs",
     "HookSpec": "schema", "KIND_DOCS": "schema",
 }
@@ -47,7 +44,7 @@ __all__ = [
     "Transform",
     "ValidationReport",
     "attach",
-    "explain_torch_error",
+    "check_on_batch",
     "match",
     "output_hooks",
     "parse_specs",
@@ -56,27 +53,21 @@ __all__ = [
     "register_transform",
     "register_transform_alias",
     "resolve",
-    "validate",
 ]
 
 if TYPE_CHECKING:
     from hookexp.engine.aliases import ALIASES, register_aliases
     from hookexp.engine.binding import Site, SpecBinding
-    from hookexp.engine.handle import HookHandle, attach, explain_torch_error
+    from hookexp.engine.bound import Transform
+    from hookexp.engine.context import HookContext, Record
+    from hookexp.engine.dryrun import ValidationReport, check_on_batch
+    from hookexp.engine.handle import HookHandle, attach
     from hookexp.engine.kinds import KINDS, register_kind
     from hookexp.engine.observe import OutputHooks, output_hooks
     from hookexp.engine.schema import KIND_DOCS, HookSpec
     from hookexp.engine.specs import parse_specs
     from hookexp.engine.targets import Target, match, resolve
-    from hookexp.engine.transforms import (
-        TRANSFORMS,
-        HookContext,
-        Record,
-        Transform,
-        register_transform,
-        register_transform_alias,
-    )
-    from hookexp.engine.validate import ValidationReport, validate
+    from hookexp.engine.transforms import TRANSFORMS, register_transform, register_transform_alias
 
 
 def __getattr__(name: str) -> Any:

@@ -1,12 +1,10 @@
 """Portable targets: ``@blocks``, ``@attn``, ``@mlp``, ``@embed``, ``@unembed``, ``@norm`` per architecture.
 
-One hook set (``target: "@attn"``) then runs unchanged on GPT-2, a Llama-family model, a BERT-family model
-and the package's models: the alias table finds the architecture's *base module* in the model (its class
-name, or a structural test) and names the aliased modules relative to it, with ``N`` for any block
-index. Heads that wrap the base model (``lm_head``) are named relative to the base's parent (``outer``).
-What an alias became is part of the hook table and the dry run.
-
-A model the table does not know is an error that says how to add an entry::
+One hook set (``target: "@attn"``) runs unchanged on GPT-2, Llama- and BERT-family models and the package's
+models: the table finds the architecture's base module (by class name or a structural test) and names the
+aliased modules relative to it, ``N`` for any block index (heads that wrap the base: relative to its parent,
+``outer``). What an alias became is in the hook table and the dry run. A model the table does not know is an
+error that says how to add an entry::
 
     hookexp.engine.register_aliases("my_net", classes=["MyNet"],
                                     aliases={"blocks": "layers.N", "attn": "layers.N.attn", ...})

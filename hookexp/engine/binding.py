@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from hookexp.engine import values
+from hookexp.engine.bound import BoundTransform
+from hookexp.engine.context import HookContext, Record
 from hookexp.engine.schema import HookSpec, Value
-from hookexp.engine.transforms import BoundTransform, HookContext, Record, Shards, local_shard
+from hookexp.engine.shards import Shards, local_shard
 from hookexp.engine.values import Selector
 from hookexp.errors import HookexpError, HookRuntimeError, HookWarning, SpecError, TransformOutputError
 
@@ -140,6 +142,15 @@ class SpecBinding:
     def live(self, training: bool | None) -> bool:
         """Whether the hook acts now: attached, in its step window, and (forward kinds) in its phase."""
         return self.active and (training is None or self.train_phase is None or training is self.train_phase)
+
+    def live_in(self, site: Site, training: bool) -> bool:
+        """:meth:`live` for a forward-side call on a module in mode ``training``; a call skipped for the spec's
+        phase is said once (:meth:`skipped_for_phase`)."""
+        if self.live(training):
+            return True
+        if self.active:
+            self.skipped_for_phase(site, training)
+        return False
 
     def end_step(self) -> None:
         self.calls_last_step = self.calls - self._calls_at_step_start

@@ -1,69 +1,34 @@
-"""Specs in, torch hooks attached, one handle that owns and removes them.
+"""Specs in, torch hooks attached, one handle that owns and removes them: :func:`attach`, :class:`HookHandle`.
 
-``attach(model, specs, optimizer=None)`` parses every spec, resolves every target and runs every
-compatibility check *before* attaching anything, and reports all the static errors together, so a bad
-config attaches nothing and needs one run to see every mistake. It returns a :class:`HookHandle`, a
-context manager in the style of TransformerLens' hook points: leaving the ``with`` block (also by an
-exception) removes exactly the hooks this handle attached.
-
-Memory: torch hooks close over a :class:`~hookexp.engine.binding.Site` (the spec's binding and the target
-it hooks), never over tensors of a forward; the handle keeps the root model through a weak reference;
-records hold detached copies. So a handle cannot keep a model or an autograd graph alive.
-
-Cost: measuring what a hook did (norm of the change, cosine, fraction changed) costs a few tensor ops
-per hooked tensor, so it follows a schedule and a hook otherwise costs what a hand-written hook costs.
-By default (``measure="read"``) the effects of step 0 are measured, and of the step after each
-``stats()`` read: a loop that reads the stats every k steps measures one step in k, and one that never
-reads them pays for one step. ``measure=N`` measures every N-th step (0, N, 2N, ...), ``measure=True``
-every step, ``measure=False`` only while the owner sets ``handle.measuring`` (the trainer: on its log
-steps). The step advances with ``optimizer.step()`` when ``attach`` has the optimizer, or with
-:meth:`HookHandle.set_step`. This module imports neither Hydra nor W&B.
-
-Instruments that only read (telemetry's activation statistics) use no spec: see
-:func:`hookexp.engine.observe.output_hooks`.
+``attach`` parses, resolves and checks every spec before attaching anything and raises all the static errors
+together. The handle is a context manager: leaving the ``with`` block removes exactly its hooks. Torch hooks close
+over a :class:`~hookexp.engine.binding.Site`, never over a forward's tensors, and the handle holds the model by a
+weak reference. Measuring what a hook did follows a schedule (``measure``); docs/library.md has the details.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from hookexp.engine.binding import Clock, Site, SpecBinding, effect_rows
+from hookexp.engine.binding import Clock, Site, SpecBinding
+from hookexp.engine.bound import bind_transform
+from hookexp.engine.context import Record
+from hookexp.engine.explain import TorchErrors
+from hookexp.engine.hookstate import generator, load_state, save_state
 from hookexp.engine.kinds import KINDS, refuse_compiled
+from hookexp.engine.prestep import PreStep, PreStepEntry
 from hookexp.engine.schema import HookSpec, SpecsLike, spec_name
 from hookexp.engine.specs import collect_specs, raise_all
 from hookexp.engine.targets import resolve
-from hookexp.engine.transforms import HookContext, Record, bind_transform, local_shard
-from hookexp.errors import (
-    ConfigError,
-    HookCompatibilityError,
-    HookexpError,
-    HookRuntimeError,
-    TransformOutputError,
-)
+from hookexp.errors import ConfigError, HookexpError
 
 Measure = Literal["read"] | bool | int
-_FULL_BACKWARD = ("backward", "backward_pre")
-
-
-class _PreStepEntry:
-    """One parameter of one ``pre_step`` spec; ``remove()`` takes it out of the handle's runner."""
-
-    def __init__(self, handle: HookHandle, site: Site):
-        self._handle = weakref.ref(handle)
-        self.site = site
-
-    def remove(self) -> None:
-        handle = self._handle()
-        if handle is not None:
-            handle.drop_pre_step(self.site)
 
 
 class HookHandle:
@@ -81,14 +46,8 @@ class HookHandle:
         self.clock = Clock(measuring=measure is not False)
         self.bindings: list[SpecBinding] = []
         self._torch_handles: list[Any] = []
-        self._pre_step: list[Site] = []
-        self._groups: list[tuple[tuple[Any, ...] | None, list[Site]]] | None = None
-        self._pre_step_hook: Any = None
-        self._pre_step_by_hand = False  # apply_pre_step() is called by the loop (run_pre_step_by_hand)
-        # full-backward-hooked modules run in the current forward, in order (bounded: a submodule called on its
-        # own never passes the root's pre-hook that clears it)
-        self._ran: deque[Site] = deque(maxlen=64)
-        self._outer_exc: BaseException | None = None
+        self.pre_step = PreStep(self.clock)
+        self.errors = TorchErrors(self.bindings)
         self.removed = False
 
     # -- what the kinds use ---------------------------------------------------------------------------
@@ -99,32 +58,19 @@ class HookHandle:
             raise RuntimeError("the model of this hook handle no longer exists")
         return model
 
-    def add_pre_step(self, site: Site) -> _PreStepEntry:
-        self._pre_step.append(site)
-        self._groups = None
-        if self._pre_step_hook is None and not self._pre_step_by_hand:
-            assert self.optimizer is not None  # the kind's check refused this before
-            self._pre_step_hook = self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply_pre_step())
-        return _PreStepEntry(self, site)
+    def add_pre_step(self, site: Site) -> PreStepEntry:
+        return self.pre_step.add(site, self.optimizer)
 
     def run_pre_step_by_hand(self) -> None:
         """Stop running the ``pre_step`` specs from the optimizer's step pre-hook: the caller calls
         :meth:`apply_pre_step` itself, once the gradients are final. For loops whose ``optimizer.step(closure)``
         runs the forward and backward inside the closure (Lightning's automatic optimization, LBFGS): torch runs
         step pre-hooks before the closure, on the previous step's gradients."""
-        self._pre_step_by_hand = True
-        if self._pre_step_hook is not None:
-            self._pre_step_hook.remove()
-            self._pre_step_hook = None
-
-    def drop_pre_step(self, site: Site) -> None:
-        if site in self._pre_step:
-            self._pre_step.remove(site)
-            self._groups = None
+        self.pre_step.run_by_hand()
 
     def ran(self, site: Site) -> None:
         """A module with a full backward hook finished its forward (to name it if torch raises later)."""
-        self._ran.append(site)
+        self.errors.ran(site)
 
     # -- the step and the measuring schedule ------------------------------------------------------------
     @property
@@ -193,75 +139,16 @@ class HookHandle:
         for b in self.bindings:
             b.refresh()
 
+
     # -- pre_step -------------------------------------------------------------------------------------
     @property
     def has_pre_step(self) -> bool:
-        return bool(self._pre_step)
-
-    def _build_groups(self) -> list[tuple[tuple[Any, ...] | None, list[Site]]]:
-        """Consecutive specs with the same batched transform and arguments form one group, run as one
-        ``torch._foreach_*`` call; the others run per tensor. Declaration order is kept for every parameter."""
-        groups: list[tuple[tuple[Any, ...] | None, list[Site]]] = []
-        for site in self._pre_step:
-            b = site.binding
-            key = b.transform.batch_key() if b.select is None else None
-            last = groups[-1] if groups else None
-            if last is not None and ((key is not None and last[0] == key) or (key is None and last[0] is None
-                                                                                and last[1][0].binding is b)):
-                last[1].append(site)
-            else:
-                groups.append((key, [site]))
-        return groups
+        return bool(self.pre_step.sites)
 
     def apply_pre_step(self) -> None:
         """Run the ``pre_step`` specs on the current ``.grad``s now: what the optimizer's pre-step hook does
         (the dry run calls it without an optimizer step)."""
-        groups = self._groups
-        if groups is None:
-            groups = self._groups = self._build_groups()
-        with torch.no_grad():
-            for key, sites in groups:
-                live = [(s, g) for s in sites if s.binding.active and (g := s.obj.grad) is not None]
-                if not live:
-                    continue
-                if key is not None:
-                    self._run_batched(live)
-                    continue
-                for s, g in live:
-                    s.binding.call(s, s.binding.apply_in_place, g, s)
-
-    def _run_batched(self, live: list[tuple[Site, torch.Tensor]]) -> None:
-        first = live[0][0].binding
-        tf = first.transform
-        local = [local_shard(g) for _, g in live]  # under FSDP: this rank's shards (views of the DTensors)
-        grads = [g for g, _ in local]
-        shards = local[0][1]
-        before = [g.clone() for g in grads] if self.clock.measuring else None
-        ctx = None
-        if tf.needs_ctx or shards is not None:
-            ctx = HookContext(first.spec.name, "pre_step", "*", self.clock.step, state=tf.state,
-                              measuring=self.clock.measuring, targets=[s.name for s, _ in live], shards=shards)
-        try:
-            tf.batched(grads, ctx, **tf.args)  # type: ignore[misc]
-        except Exception as error:
-            names = sorted({s.binding.spec.name for s, _ in live})
-            raise HookRuntimeError(
-                f"batched transform {tf.name!r} failed at step {self.clock.step} on {len(grads)} parameters of "
-                f"spec(s) {', '.join(names)}: {type(error).__name__}: {error}",
-                spec=first.spec.name, field="transform") from error
-        for s, _ in live:
-            s.binding.calls += 1
-            s.calls += 1
-        if before is not None:
-            with torch.no_grad():
-                rows = effect_rows(before, grads, shards)  # under FSDP: of the whole tensors
-            sizes = [g.numel() if part is None else part.numel for g, part in local]
-            start = 0
-            for i, (s, _) in enumerate(live):  # the group's rows summed per spec
-                if i + 1 == len(live) or live[i + 1][0].binding is not s.binding:
-                    numel = sum(sizes[start:i + 1])
-                    s.binding.add_effects(rows[start:i + 1].sum(dim=0), i + 1 - start, numel)
-                    start = i + 1
+        self.pre_step.apply()
 
     # -- what the user reads ----------------------------------------------------------------------------
     @property
@@ -341,7 +228,7 @@ class HookHandle:
         for b in self.bindings:
             specs[b.spec.name] = {
                 "calls": b.calls, "calls_by_target": dict(b.calls_by_target), "calls_last_step": b.calls_last_step,
-                "state": _save_state(b.transform.state, b.spec.name),
+                "state": save_state(b.transform.state, b.spec.name),
             }
         return {"step": self.clock.step, "specs": specs}
 
@@ -358,76 +245,19 @@ class HookHandle:
             b.set_counts(int(saved["calls"]), saved["calls_by_target"], int(saved["calls_last_step"]))
             b.transform.state.clear()
             if "state" in saved:
-                b.transform.state.update(_load_state(saved["state"]))
+                b.transform.state.update(load_state(saved["state"]))
             else:  # checkpoints written before transforms' state was saved whole
                 if saved.get("seed") is not None:
                     b.transform.state["seed"] = saved["seed"]
                 for key, gen_state in saved.get("generators", {}).items():
-                    b.transform.state[key] = _generator(key.split(":", 1)[1], gen_state)
+                    b.transform.state[key] = generator(key.split(":", 1)[1], gen_state)
         self._refresh()
 
     # -- errors -----------------------------------------------------------------------------------------
     def explain(self, exc: BaseException) -> HookexpError | None:
         """A torch error raised around this handle's hooks, as an error naming the spec (None when it is not
-        about them). Today: in-place ops on the output of a module with a full backward hook."""
-        if isinstance(exc, HookexpError):
-            return None
-        known = getattr(exc, "hookexp_error", None)
-        if isinstance(known, HookexpError):
-            return known
-        text = str(exc)
-        if "does not require grad and does not have a grad_fn" in text:
-            return self._explain_cut()
-        if "BackwardHookFunction" not in text or "inplace" not in text:
-            return None
-        hooked = [s for b in self.bindings if b.spec.enabled and b.spec.kind in _FULL_BACKWARD for s in b.sites]
-        ran = [s for s in dict.fromkeys(reversed(self._ran))]
-        culprit = ran[0] if ran else (hooked[0] if len(hooked) == 1 else None)
-        if culprit is None:
-            names = ", ".join(sorted({s.binding.spec.name for s in hooked})) or "?"
-            return HookCompatibilityError(
-                f"an in-place op modified the input or output of a module with a full backward hook (spec(s) "
-                f"{names}), which torch forbids. Use kind 'output_grad' or 'node' for these targets, or make the "
-                "in-place op out of place (nn.ReLU(inplace=False); out = out + identity instead of out += identity).")
-        others = [f"{s.name!r} ({s.binding.spec.name})" for s in ran[1:]]
-        also = f"; modules with full backward hooks that ran before it: {', '.join(others)}" if others else ""
-        b = culprit.binding
-        what = "an input" if "its base" in text else "the output"  # torch's words for a base modified in place
-        return HookCompatibilityError(
-            f"an in-place op modified {what} of {culprit.name!r} (kind {b.spec.kind!r}) after its forward"
-            f"{' (the last full-backward-hooked module to run before the error' + also + ')' if ran else ''}, "
-            "which torch forbids around full backward hooks. Use kind 'output_grad' (or 'node') for this target, "
-            "or make the in-place op out of place (nn.ReLU(inplace=False); out = out + identity instead of "
-            "out += identity).", spec=b.spec.name, field="kind")
-
-    def _explain_cut(self) -> HookexpError | None:
-        """backward() found a loss without a graph: name the specs whose transforms cut their output from it."""
-        cut = [(b.spec.name, site, step) for b in self.bindings for site, step in b.cut_sites.items()]
-        if not cut:
-            return None
-        where = ", ".join(f"{site!r} ({name}{'' if step is None else f', at step {step}'})"
-                          for name, site, step in cut)
-        return TransformOutputError(
-            f"the loss does not require grad: the transform cut the output from the autograd graph at {where} "
-            "(its input required grad, its output does not: .detach(), .data, torch.no_grad() or a constant), and "
-            "nothing after it has parameters to train. Return a result computed from the input, or move the hook "
-            "to evaluation (phase: eval).", spec=cut[0][0] if len({n for n, _, _ in cut}) == 1 else None,
-            field="transform")
-
-    def _forward_starts(self, module: nn.Module, args: Any) -> None:
-        self._ran.clear()
-        self._outer_exc = sys.exc_info()[1]  # an exception the caller is handling is not this forward's
-
-    def _forward_failed(self, module: nn.Module, args: Any, result: Any) -> None:
-        """Runs (``always_call``) when the model's forward raised: a torch error about this handle's hooks
-        gets a message naming the spec, the target and the kind to use (torch's own text follows)."""
-        exc = sys.exc_info()[1]
-        if exc is None or exc is self._outer_exc or getattr(exc, "hookexp_error", None) is not None:
-            return
-        explained = self.explain(exc)
-        if explained is not None:
-            exc.hookexp_error = explained  # type: ignore[attr-defined]
-            exc.args = (f"{explained}\n(torch: {exc})",)
+        about them): in-place ops next to full backward hooks, a transform that cut the loss's graph."""
+        return self.errors.explain(exc)
 
     # -- lifetime ---------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -441,9 +271,10 @@ class HookHandle:
                         self._torch_handles.extend(binding.kind.attach(site, self))
             if self.optimizer is not None:
                 self._torch_handles.append(self.optimizer.register_step_post_hook(self.advance))
-            if any(b.spec.enabled and b.spec.kind in _FULL_BACKWARD for b in self.bindings):
-                self._torch_handles.append(self.model.register_forward_pre_hook(self._forward_starts))
-                self._torch_handles.append(self.model.register_forward_hook(self._forward_failed, always_call=True))
+            if self.errors.hooks_full_backward():
+                self._torch_handles.append(self.model.register_forward_pre_hook(self.errors.forward_starts))
+                self._torch_handles.append(self.model.register_forward_hook(self.errors.forward_failed,
+                                                                            always_call=True))
         except BaseException:
             self.remove()
             raise
@@ -456,11 +287,7 @@ class HookHandle:
         for h in self._torch_handles:
             h.remove()
         self._torch_handles.clear()
-        self._pre_step.clear()
-        self._groups = None
-        if self._pre_step_hook is not None:
-            self._pre_step_hook.remove()
-            self._pre_step_hook = None
+        self.pre_step.clear()
         self.removed = True
 
     def __enter__(self) -> HookHandle:
@@ -476,40 +303,9 @@ class HookHandle:
             raise explained from exc
 
     def __repr__(self) -> str:
-        state = "removed" if self.removed else f"{len(self._torch_handles) + len(self._pre_step)} hooks"
+        state = "removed" if self.removed else f"{len(self._torch_handles) + len(self.pre_step.sites)} hooks"
         return f"HookHandle({', '.join(b.spec.name for b in self.bindings)}; {state})"
 
-
-def _generator(device: str, state: torch.Tensor) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.set_state(state)
-    return gen
-
-
-def _save_state(value: Any, spec: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, torch.Generator):
-        return {"__generator__": str(value.device), "state": value.get_state()}
-    if isinstance(value, dict):
-        return {str(k): _save_state(v, spec) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_save_state(v, spec) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise HookRuntimeError(f"the transform's state holds a {type(value).__name__}, which a checkpoint cannot keep "
-                           "(keep tensors, numbers, strings, generators and dicts of them in ctx.state).",
-                           spec=spec, field="transform")
-
-
-def _load_state(value: Any) -> Any:
-    if isinstance(value, dict):
-        if "__generator__" in value:
-            return _generator(value["__generator__"], value["state"])
-        return {k: _load_state(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_load_state(v) for v in value]
-    return value
 
 
 def _names(specs: SpecsLike) -> list[str]:
@@ -518,11 +314,6 @@ def _names(specs: SpecsLike) -> list[str]:
     if isinstance(specs, (list, tuple)):
         return [spec_name(s) for s in specs if isinstance(s, (HookSpec, dict))]
     return []
-
-
-def explain_torch_error(exc: BaseException, hooks: HookHandle) -> HookexpError | None:
-    """``hooks.explain(exc)``, as a function (the trainer's spelling)."""
-    return hooks.explain(exc)
 
 
 def attach(model: nn.Module, specs: SpecsLike, optimizer: torch.optim.Optimizer | None = None, *,

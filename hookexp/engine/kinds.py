@@ -1,15 +1,11 @@
 """Hook kinds: where in forward/backward a spec acts, as thin adapters over torch's hook APIs.
 
-Each kind is registered by decorator under a name whose facts (what it attaches to, the torch API, what
-its transform sees) are written once in :data:`hookexp.engine.schema.KIND_DOCS`. Its ``attach`` function
-registers torch hooks that call the :class:`~hookexp.engine.binding.SpecBinding` of one target through
-``binding.call(site, ...)`` and return what torch expects; schedule, counting, checks, measuring and
-error messages live in the binding, once for all kinds. ``check`` functions refuse, before anything is
-attached, a kind that cannot work on a target. Every error raised inside a hook that is not already
-hookexp's becomes a :class:`~hookexp.errors.HookRuntimeError` naming the spec.
-
-The semantics are torch 2.x's own (see docs/hooks.md, "Kinds"); the tests compare every kind with
-the same hook written by hand.
+Each kind is registered by decorator; its facts (what it attaches to, the torch API, what its transform sees)
+are written once in :data:`hookexp.engine.schema.KIND_DOCS`. Its ``attach`` registers torch hooks that call the
+:class:`~hookexp.engine.binding.SpecBinding` of one target (``binding.call(site, ...)``), where schedule,
+counting, checks, measuring and messages live once for all kinds; its ``check`` refuses, before anything is
+attached, a target it cannot work on. An error inside a hook becomes a
+:class:`~hookexp.errors.HookRuntimeError` naming the spec. The semantics are torch 2.x's own (docs/hooks.md).
 """
 
 from __future__ import annotations
@@ -217,9 +213,7 @@ def _forward_pre(site: Site, handle: AttachSite) -> list[Any]:
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not b.active or (b.train_phase is not None and module.training is not b.train_phase):
-            if b.active:
-                b.skipped_for_phase(site, module.training)
+        if not b.live_in(site, module.training):
             return None
         return b.call(site, b.apply_inputs, args, kwargs, site)
 
@@ -232,9 +226,7 @@ def _forward(site: Site, handle: AttachSite) -> list[Any]:
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not b.active or (b.train_phase is not None and module.training is not b.train_phase):
-            if b.active:
-                b.skipped_for_phase(site, module.training)
+        if not b.live_in(site, module.training):
             return None
         aux = args if site.input is None else _picked_input(site.input, args, kwargs)  # what ctx.aux shows
         if b.plain and isinstance(output, torch.Tensor):  # the common case, one call shorter
@@ -264,18 +256,24 @@ def _output_tensors(b: SpecBinding | type[_NoIndex], output: Any) -> list[tuple[
     return [(k, v) for k, v in values.elements(output) if isinstance(v, torch.Tensor)]
 
 
-@register_kind("output_grad")
-def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
+def _on_output(site: Site, hook_output: Callable[..., bool], missing: str, *extra: Any) -> Any:
+    """A forward hook that, in a pass that builds a graph, hooks the backward side of the output
+    (``hook_output(site, output, *extra)``), noting ``missing`` when there was nothing to hook."""
     b = site.binding
 
     @eager
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not b.active or not torch.is_grad_enabled():
             return
-        if not b.call(site, _hook_output_grads, site, output, counted=False):
-            b.note(site.name, "output does not require grad")
+        if not b.call(site, hook_output, site, output, *extra, counted=False):
+            b.note(site.name, missing)
 
-    return [site.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
+    return site.obj.register_forward_hook(hook)  # type: ignore[union-attr]
+
+
+@register_kind("output_grad")
+def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
+    return [_on_output(site, _hook_output_grads, "output does not require grad")]
 
 
 def _hook_output_grads(site: Site, output: Any) -> bool:
@@ -346,16 +344,7 @@ def _backward_legacy(site: Site, handle: AttachSite) -> list[Any]:
 
 def _node_kind(pre: bool) -> Attach:
     def attach(site: Site, handle: AttachSite) -> list[Any]:
-        b = site.binding
-
-        @eager
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not b.active or not torch.is_grad_enabled():
-                return
-            if not b.call(site, _hook_nodes, site, output, pre, counted=False):
-                b.note(site.name, "output has no grad_fn")
-
-        return [site.obj.register_forward_hook(hook)]  # type: ignore[union-attr]
+        return [_on_output(site, _hook_nodes, "output has no grad_fn", pre)]
 
     return attach
 

@@ -1,15 +1,10 @@
 """The hook spec's schema, written once: fields, defaults, kinds, and every static check. Imports no torch.
 
-A spec says *where* (``target`` + ``types`` / ``exclude``), *when in forward/backward* (``kind``),
-*what it sees* (``input``, ``index``, ``select``), *what it does* (``transform`` + ``args``) and *on which
-steps* (``enabled``, ``every``, ``start_step``, ``end_step``, ``phase``). :class:`HookSpec` is the one
-definition of those fields: the Hydra schema (``hookexp.config.HookSpecConfig``) is derived from it with
-:func:`config_fields`, and ``python -m hookexp --help`` lists the kinds from :data:`KIND_DOCS`, so the CLI
-never imports torch to show them.
-
-Parsing is strict and complete: an unknown field, a wrong type or an unknown kind/transform is a
-:class:`~hookexp.errors.SpecError` naming the key and the fix, and :func:`parse_specs` returns every
-error of every spec at once rather than stopping at the first.
+:class:`HookSpec` is the one definition of a spec's fields (where: ``target``, ``types``, ``exclude``; when:
+``kind``; what it sees: ``input``, ``index``, ``select``; what it does: ``transform``, ``args``; on which
+steps: ``enabled``, ``every``, ``start_step``, ``end_step``, ``phase``). The Hydra schema is derived from it
+(:func:`config_fields`) and ``--help`` lists the kinds from :data:`KIND_DOCS` without torch. :func:`check_specs`
+returns every error of every spec at once, each a :class:`~hookexp.errors.SpecError` naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -57,13 +52,13 @@ class HookSpec:
             return False
         return (step - self.start_step) % self.every == 0
 
-    def allows_phase(self, training: bool) -> bool:
-        return self.phase == "both" or (self.phase == "train") == training
-
 
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(HookSpec) if f.name != "name")
 REQUIRED = tuple(f.name for f in dataclasses.fields(HookSpec)
                  if f.name != "name" and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+# what a spec that leaves a field out gets: HookSpec's defaults, the one place they are written
+DEFAULTS = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(HookSpec) if f.name != "name" and f.name not in REQUIRED}
 
 
 def config_fields(missing: Any) -> list[tuple[str, Any, Any]]:
@@ -211,7 +206,7 @@ def _transform_error(transform: Any, transforms: Collection[str] | None) -> str 
     return f"expected a transform name, {{_target_: ...}} or a callable, got {transform!r}."
 
 
-def parse_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collection[str] | None = None,
+def check_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collection[str] | None = None,
                transforms: Collection[str] | None = None) -> tuple[HookSpec | None, list[SpecError]]:
     """Check one raw spec; returns the :class:`HookSpec` (None when it has errors) and every error found.
 
@@ -236,6 +231,7 @@ def parse_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collectio
         if key not in SPEC_FIELDS:
             err(f"unknown field {key!r}.{did_you_mean(key, SPEC_FIELDS)} A spec has the fields: "
                 f"{', '.join(SPEC_FIELDS)}.", key)
+    raw = {**DEFAULTS, **raw}
     for key in REQUIRED:
         if raw.get(key) is None:
             err(f"missing required field {key!r}. Every spec needs 'target' (a module or parameter name, glob, "
@@ -253,18 +249,18 @@ def parse_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collectio
             err(f"unknown kind {kind!r}.{did_you_mean(kind, kinds)} Known kinds: {', '.join(kinds)}.", "kind")
         else:
             doc = KIND_DOCS.get(kind)
-    transform = raw.get("transform", "identity")
+    transform = raw["transform"]
     why = _transform_error(transform, transforms)
     if why:
         err(why, "transform")
-    args = raw.get("args") or {}
+    args = raw["args"] or {}
     if not isinstance(args, Mapping):
         err(f"expected a mapping of keyword arguments, got {args!r}.", "args")
 
     for key, want, what in (("enabled", bool, "true or false"), ("optional", bool, "true or false")):
         if key in raw and not isinstance(raw[key], want):
             err(f"expected {what}, got {raw[key]!r} ({type(raw[key]).__name__}).", key)
-    every, start, end = raw.get("every", 1), raw.get("start_step", 0), raw.get("end_step")
+    every, start, end = raw["every"], raw["start_step"], raw["end_step"]
     if not _is_int(every):
         err(f"expected a positive integer, got {every!r} ({type(every).__name__}).", "every")
     elif every < 1:
@@ -278,16 +274,16 @@ def parse_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collectio
     elif end is not None and _is_int(start) and end <= start:
         err(f"end_step ({end}) must be greater than start_step ({start}): the window [start_step, end_step) "
             "would be empty.", "end_step")
-    phase = raw.get("phase", "train")
+    phase = raw["phase"]
     if phase not in PHASES:
         err(f"unknown phase {phase!r}.{did_you_mean(str(phase), PHASES)} Use one of: {', '.join(PHASES)}.", "phase")
-    types, exclude = _str_tuple(raw.get("types")), _str_tuple(raw.get("exclude"))
+    types, exclude = _str_tuple(raw["types"]), _str_tuple(raw["exclude"])
     if types is None:
-        err(f"expected a list of strings, got {raw.get('types')!r}.", "types")
+        err(f"expected a list of strings, got {raw['types']!r}.", "types")
     if exclude is None:
-        err(f"expected a list of strings, got {raw.get('exclude')!r}.", "exclude")
+        err(f"expected a list of strings, got {raw['exclude']!r}.", "exclude")
 
-    index, inp, sel = raw.get("index"), raw.get("input"), raw.get("select")
+    index, inp, sel = raw["index"], raw["input"], raw["select"]
     if index is not None:
         if not (_is_int(index) or isinstance(index, str)):
             err(f"expected a position (integer) or a key name (string), got {index!r}.", "index")
@@ -315,8 +311,8 @@ def parse_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collectio
     return HookSpec(
         name=name, target=target, kind=kind,
         transform=dict(transform) if isinstance(transform, Mapping) else transform,
-        args=dict(args), enabled=raw.get("enabled", True), every=every, start_step=start, end_step=end, phase=phase,
-        types=types or (), exclude=exclude or (), optional=raw.get("optional", False), index=index, input=inp,
+        args=dict(args), enabled=raw["enabled"], every=every, start_step=start, end_step=end, phase=phase,
+        types=types or (), exclude=exclude or (), optional=raw["optional"], index=index, input=inp,
         select=dict(sel) if sel is not None else None,
     ), errors
 
@@ -334,7 +330,7 @@ def spec_name(raw: Any) -> str:
     return "?"
 
 
-def parse_specs(specs: SpecsLike, *, kinds: Collection[str] | None = None,
+def check_specs(specs: SpecsLike, *, kinds: Collection[str] | None = None,
                 transforms: Collection[str] | None = None) -> tuple[list[HookSpec], list[SpecError]]:
     """Parse a mapping ``{name: spec}``, a list of specs (names default to ``<kind>:<target>``), or a single
     :class:`HookSpec`, in declaration order. Returns the valid specs and every error of every spec."""
@@ -366,7 +362,7 @@ def parse_specs(specs: SpecsLike, *, kinds: Collection[str] | None = None,
                                     spec=name))
             continue
         seen.add(name)
-        spec, errs = parse_spec(name, raw, kinds=kinds, transforms=transforms)
+        spec, errs = check_spec(name, raw, kinds=kinds, transforms=transforms)
         errors.extend(errs)
         if spec is not None:
             parsed.append(spec)

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hookexp.engine.kinds import KINDS
-from hookexp.engine.schema import HookSpec, SpecsLike
-from hookexp.engine.schema import parse_specs as _parse
+from hookexp.engine.schema import HookSpec, SpecsLike, check_specs
 from hookexp.engine.transforms import TRANSFORMS
 from hookexp.errors import HookexpError, SpecErrors
 
@@ -25,7 +24,7 @@ def raise_all(errors: Sequence[HookexpError]) -> None:
 
 def collect_specs(specs: SpecsLike) -> tuple[list[HookSpec], list[HookexpError]]:
     """The valid specs and the static errors of the others, checked against the registries."""
-    parsed, errors = _parse(specs, kinds=KINDS, transforms=TRANSFORMS)
+    parsed, errors = check_specs(specs, kinds=KINDS, transforms=TRANSFORMS)
     return parsed, list(errors)
 
 

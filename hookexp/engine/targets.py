@@ -1,17 +1,11 @@
 """Target resolution: one grammar for every kind, over ``named_modules()`` / ``named_parameters()``.
 
-Grammar (``HookSpec.target`` and each entry of ``exclude``):
-
-- an exact name: ``conv``, ``fc1.bias``, ``""`` (the root module);
-- a glob, when the pattern has ``*``, ``?`` or ``[``: ``layer*.conv?``, ``*.bias`` (``*`` also crosses dots);
-- a regular expression with the prefix ``re:``, matched with ``re.search``: ``re:^blocks\\.\\d+\\.attn$``;
-- an alias, ``@blocks`` ``@attn`` ``@mlp`` ``@embed`` ``@unembed`` ``@norm`` (:mod:`hookexp.engine.aliases`):
-  the modules the architecture's entry names; for parameter kinds, their parameters.
-
-``types`` narrows to modules whose class (or a base class) has one of the given names; for parameter
-kinds it narrows to parameters owned by such modules. Shared modules and tied parameters resolve once
-(the first name ``named_modules()`` gives is canonical, the others are kept as ``aliases`` so that
-reports say so), because torch fires their hooks once per call, not once per name.
+A target (and each ``exclude`` entry) is an exact name (``conv``, ``fc1.bias``, ``""`` the root), a glob
+(``layer*.conv?``, ``*.bias``; ``*`` crosses dots), a regular expression after ``re:`` (``re.search``), or an
+alias (``@attn``, ...; :mod:`hookexp.engine.aliases`), for parameter kinds the modules' parameters. ``types``
+narrows to modules whose class (or a base) has one of the names. Shared modules and tied parameters resolve
+once, under the first name ``named_modules()`` gives (the others kept as ``aliases``), as torch fires their
+hooks once per call. docs/targets.md has the grammar with examples.
 """
 
 from __future__ import annotations

@@ -1,186 +1,36 @@
-"""The transform registry: what a hook does to the tensors it sees.
+"""The built-in transforms, registered on import: ``fn(x, ctx, **args) -> Tensor``, out of place.
 
-A transform is ``fn(x, ctx, **args) -> Tensor``. It works *out of place* and keeps shape, dtype and
-device; the engine checks all of that on every call (metadata only, no host sync) and names the spec
-when a transform breaks the contract. ``ctx`` is a :class:`HookContext`: the step, the spec and target
-names, the tensor's position or key in a structured value, the other side of the hook call (``aux``:
-grad_output for backward kinds, the inputs for ``forward``), and a per-spec ``state`` dict (generators,
-running averages) that :meth:`HookHandle.state_dict` saves.
-
-Registering one is a decorator (Opacus style)::
-
-    @register_transform("clamp", batched=_clamp_, needs_ctx=False)
-    def clamp(x, ctx, min=None, max=None): ...
-
-``batched`` is an optional in-place version over a list of tensors that the ``pre_step`` kind uses to
-run every parameter of a group in one ``torch._foreach_*`` call; it must give the same bits as the
-per-tensor function (the tests check every one, on every floating dtype). ``structured=True`` transforms
-(record) see the whole hook value at once instead of one tensor at a time. ``needs_ctx=False``: the
-function ignores ``ctx``, so the engine passes None and builds no context on that call.
-
-Other names for a transform are aliases (:func:`register_transform_alias`): ``zero_ablate`` is ``zero``,
-``negate`` is ``scale(factor=-1)``, ``reverse(lambda)`` is ``scale(factor=-lambda)``.
-
-A user transform is any importable callable, given as ``{_target_: pkg.mod.fn, **args}``, or in the
-Python API any callable, or :class:`Transform` (a callable with a batched in-place version); it gets
-``ctx`` if it has a parameter named ``ctx`` (or a second positional parameter).
+Each may have a batched in-place version for ``pre_step`` (the same bits, checked by the tests on every floating
+dtype) and an argument check; its argument defaults are written once, in its signature (the engine passes them
+to the check and the batched version). docs/transforms.md lists them; :mod:`hookexp.engine.registry` has the
+contract.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 import logging
-import typing
 import zlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from hookexp.engine.context import HookContext, Record
+from hookexp.engine.registry import (
+    TRANSFORMS,
+    BatchedFn,
+    TransformFn,
+    TransformInfo,
+    register_transform,
+    register_transform_alias,
+)
 from hookexp.engine.values import detach_copy
-from hookexp.errors import RegistryError, SpecError, TransformArgsError, did_you_mean
+from hookexp.errors import TransformArgsError
+
+__all__ = ["TRANSFORMS", "BatchedFn", "TransformFn", "TransformInfo", "register_transform",
+           "register_transform_alias"]
 
 log = logging.getLogger("hookexp.transforms")
-
-TransformFn = Callable[..., Any]
-BatchedFn = Callable[..., None]
-
-
-class Shards:
-    """The process groups a DTensor gradient is sharded over (FSDP2): a transform that acts on this rank's shard
-    sums a whole-tensor quantity (a squared norm) over them, one all-reduce."""
-
-    def __init__(self, groups: list[Any], numel: int = 0):
-        self.groups = groups
-        self.numel = numel  # the whole tensor's elements
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        t = t.clone()
-        for group in self.groups:
-            dist.all_reduce(t, group=group)
-        return t
-
-
-def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Shards | None]:
-    """A DTensor's local shard (a view: writing it writes the DTensor) and its shard groups; a plain tensor as is."""
-    placements = getattr(t, "placements", None)
-    if placements is None:
-        return t, None
-    mesh = t.device_mesh  # type: ignore[attr-defined]
-    groups = [mesh.get_group(i) for i, p in enumerate(placements) if p.is_shard()]
-    return t.to_local(), (Shards(groups, t.numel()) if groups else None)  # type: ignore[attr-defined]
-
-
-@dataclass
-class HookContext:
-    """What a transform knows about the call it is in. Valid for the duration of the call only: the
-    engine reuses one context per target rather than allocating one per call."""
-
-    spec: str
-    kind: str
-    target: str
-    step: int
-    index: int | str | None = None
-    aux: Any = None
-    state: dict[str, Any] = field(default_factory=dict)
-    records: list[Record] | None = None
-    measuring: bool = False
-    emitted: dict[str, list[torch.Tensor]] | None = None
-    targets: list[str] | None = None  # batched pre_step calls: the target of each tensor, in order
-    shards: Shards | None = None  # parameter kinds under FSDP: the tensor is this rank's shard of these groups
-
-    def sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the ranks holding the other shards of the tensor (``t`` itself when unsharded)."""
-        return t if self.shards is None else self.shards.sum(t)
-
-    def emit(self, name: str, value: torch.Tensor | float) -> None:
-        """Report a measurement (mean over calls) as ``hook/<spec>/<name>``; only while measuring,
-        i.e. on log steps. Keep ``value`` on the device: it is read back with the other statistics."""
-        if self.measuring and self.emitted is not None:
-            self.emitted.setdefault(name, []).append(torch.as_tensor(value, dtype=torch.float32).detach())
-
-
-@dataclass
-class Record:
-    """One value a ``record`` transform kept: detached copies, never part of the autograd graph."""
-
-    spec: str
-    target: str
-    step: int
-    value: Any
-    aux: Any = None
-
-
-@dataclass(frozen=True)
-class TransformInfo:
-    """A registry entry. An alias has ``alias_of`` (the transform it runs) and ``translate`` (its own
-    arguments -> the target's arguments)."""
-
-    name: str
-    fn: TransformFn
-    batched: BatchedFn | None = None
-    structured: bool = False
-    arg_aliases: Mapping[str, str] = field(default_factory=dict)
-    check: Callable[..., None] | None = None
-    value_dependent: bool = False  # acts on magnitudes: a scaled gradient (fp16) changes what it does
-    needs_ctx: bool = True
-    stateful: bool = False  # keeps per-target state in ctx.state (saved by HookHandle.state_dict)
-    doc: str = ""
-    alias_of: str | None = None
-    translate: Callable[..., dict[str, Any]] | None = None
-
-
-TRANSFORMS: dict[str, TransformInfo] = {}
-
-
-def register_transform(
-    name: str,
-    *,
-    batched: BatchedFn | None = None,
-    structured: bool = False,
-    arg_aliases: Mapping[str, str] | None = None,
-    check: Callable[..., None] | None = None,
-    value_dependent: bool = False,
-    needs_ctx: bool = True,
-    stateful: bool = False,
-) -> Callable[[TransformFn], TransformFn]:
-    """Decorator that adds ``fn`` to the registry under ``name`` (a name already taken is refused).
-
-    ``check(**args)`` validates argument values when a spec is bound, before any hook fires; it raises
-    :class:`TransformArgsError` with the fix. ``value_dependent``: the result depends on magnitudes
-    (clamp, add, ...), so the trainer warns when such a transform sees fp16-scaled gradients.
-    ``arg_aliases``: other spellings of arguments (``{"lambda": "lambd"}``: a YAML key that is a Python
-    keyword). ``stateful``: the transform keeps per-target state in ``ctx.state``.
-    """
-
-    def deco(fn: TransformFn) -> TransformFn:
-        if name in TRANSFORMS:
-            raise RegistryError(f"transform {name!r} is already registered; pick another name.")
-        TRANSFORMS[name] = TransformInfo(name, fn, batched, structured, dict(arg_aliases or {}), check,
-                                         value_dependent, needs_ctx, stateful, inspect.getdoc(fn) or "")
-        return fn
-
-    return deco
-
-
-def register_transform_alias(name: str, *, of: str, translate: Callable[..., dict[str, Any]] | None = None,
-                             arg_aliases: Mapping[str, str] | None = None, doc: str = "") -> None:
-    """Register ``name`` as another name of transform ``of``. ``translate(**args)`` maps the alias's own
-    arguments to ``of``'s (its signature is what the alias accepts); without it the alias takes ``of``'s."""
-    if name in TRANSFORMS:
-        raise RegistryError(f"transform {name!r} is already registered; pick another name.")
-    target = TRANSFORMS.get(of)
-    if target is None or target.alias_of is not None:
-        raise RegistryError(f"transform alias {name!r}: {of!r} is not a registered transform (aliases of aliases "
-                            "are not allowed).")
-    TRANSFORMS[name] = TransformInfo(name, target.fn, target.batched, target.structured,
-                                     dict(arg_aliases or target.arg_aliases), target.check, target.value_dependent,
-                                     target.needs_ctx, target.stateful, doc or f"Alias of {of}.", of, translate)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -255,14 +105,14 @@ def scale(x: torch.Tensor, ctx: HookContext, factor: float) -> torch.Tensor:
     return x * factor
 
 
-def _check_bounds(min: float | None = None, max: float | None = None) -> None:
+def _check_bounds(min: float | None, max: float | None) -> None:
     if min is None and max is None:
         raise TransformArgsError("needs at least one of 'min' and 'max', e.g. args: {min: 0.0}.")
     if min is not None and max is not None and min > max:
         raise TransformArgsError(f"has min ({min}) greater than max ({max}).")
 
 
-def _clamp_(xs: list[torch.Tensor], ctx: HookContext, min: float | None = None, max: float | None = None) -> None:
+def _clamp_(xs: list[torch.Tensor], ctx: HookContext, min: float | None, max: float | None) -> None:
     if min is not None:
         torch._foreach_clamp_min_(xs, min)
     if max is not None:
@@ -379,7 +229,7 @@ def _generator(ctx: HookContext, device: torch.device, seed: int | None) -> torc
     return gen
 
 
-def _check_noise(std: float = 0.0, gamma: float = 0.0, seed: int | None = None) -> None:
+def _check_noise(std: float, gamma: float, seed: int | None) -> None:
     if not isinstance(std, (int, float)) or std < 0:
         raise TransformArgsError(f"needs std >= 0, got {std!r}.")
     if not isinstance(gamma, (int, float)) or gamma < 0:
@@ -400,7 +250,7 @@ def noise(x: torch.Tensor, ctx: HookContext, std: float, gamma: float = 0.0, see
     return x + (eps * sigma).to(x.dtype)
 
 
-def _check_mask(p: float | None = None, index: Any = None, dim: int | None = None, seed: int | None = None) -> None:
+def _check_mask(p: float | None, index: Any, dim: int | None, seed: int | None) -> None:
     if (p is None) == (index is None):
         raise TransformArgsError("needs exactly one of 'p' (a fraction to zero) or 'index' (entries to zero).")
     if p is not None and not 0.0 <= p <= 1.0:
@@ -431,7 +281,7 @@ def mask(x: torch.Tensor, ctx: HookContext, p: float | None = None, index: int |
 # including the order of its floating-point operations, so that results match it bit for bit.
 
 
-def _check_ema(alpha: float = 0.98, lamb: float = 2.0) -> None:
+def _check_ema(alpha: float, lamb: float) -> None:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
         raise TransformArgsError(f"needs 0 <= alpha <= 1 (the EMA's momentum), got {alpha!r}.")
     if not isinstance(lamb, (int, float)) or isinstance(lamb, bool):
@@ -442,7 +292,7 @@ def _on(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t if t.device == x.device else t.to(x.device)  # state restored from a checkpoint on another device
 
 
-def _ema_amplify_(xs: list[torch.Tensor], ctx: HookContext, alpha: float = 0.98, lamb: float = 2.0) -> None:
+def _ema_amplify_(xs: list[torch.Tensor], ctx: HookContext, alpha: float, lamb: float) -> None:
     emas = ctx.state.setdefault("ema", {})
     assert ctx.targets is not None
     prev = [x if (e := emas.get(n)) is None else _on(e, x) for n, x in zip(ctx.targets, xs, strict=True)]
@@ -464,7 +314,7 @@ def ema_amplify(x: torch.Tensor, ctx: HookContext, alpha: float = 0.98, lamb: fl
     return x + ema * lamb
 
 
-def _check_ma(window: int = 100, lamb: float = 5.0, warmup: bool = True) -> None:
+def _check_ma(window: int, lamb: float, warmup: bool) -> None:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise TransformArgsError(f"needs an integer window >= 1, got {window!r}.")
     if not isinstance(lamb, (int, float)) or isinstance(lamb, bool):
@@ -492,8 +342,7 @@ def _ma_order(st: dict[str, Any], window: int) -> list[int]:
     return [(first + i) % window for i in range(st["count"])]
 
 
-def _ma_amplify_(xs: list[torch.Tensor], ctx: HookContext, window: int = 100, lamb: float = 5.0,
-                 warmup: bool = True) -> None:
+def _ma_amplify_(xs: list[torch.Tensor], ctx: HookContext, window: int, lamb: float, warmup: bool) -> None:
     states = ctx.state.setdefault("ma", {})
     assert ctx.targets is not None
     sts = [_ma_push(states, n, x, window) for n, x in zip(ctx.targets, xs, strict=True)]
@@ -539,177 +388,3 @@ def _reverse(lambd: float = 1.0) -> dict[str, Any]:
 register_transform_alias("reverse", of="scale", translate=_reverse, arg_aliases={"lambda": "lambd"},
                          doc="Alias of scale(factor=-lambda): gradient reversal (Ganin & Lempitsky 2015); "
                              "use on a gradient kind.")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Binding a transform to a spec: arguments checked once, before any hook fires.
-
-
-class Transform:
-    """A Python callable as a transform, with an optional batched in-place version for ``pre_step``::
-
-        attach(model, {"c": {"target": "*", "kind": "pre_step",
-                             "transform": Transform(my_clip, batched=my_clip_)}}, optimizer)
-
-    ``fn(x[, ctx], **args) -> Tensor`` works out of place; ``batched(xs, ctx, **args)`` modifies the list
-    of tensors in place and must give the same bits as ``fn`` on each.
-    """
-
-    def __init__(self, fn: TransformFn, *, batched: BatchedFn | None = None, name: str | None = None,
-                 structured: bool = False, value_dependent: bool = False):
-        if not callable(fn):
-            raise TypeError(f"Transform needs a callable, got {fn!r}")
-        self.fn, self.batched, self.structured, self.value_dependent = fn, batched, structured, value_dependent
-        self.name = name or getattr(fn, "__qualname__", None) or repr(fn)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"Transform({self.name})"
-
-
-def _locate(path: str, spec: str) -> Callable[..., Any]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module_name) if module_name else None
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise SpecError(
-            f"cannot import the user transform {path!r} ({type(e).__name__}: {e}). Give the full dotted "
-            "path of a function importable from the run's Python path, e.g. my_pkg.transforms.my_fn.",
-            spec=spec,
-            field="transform",
-        ) from None
-    if not callable(obj):
-        raise SpecError(f"the user transform {path!r} is not callable.", spec=spec, field="transform")
-    return obj
-
-
-@dataclass
-class BoundTransform:
-    """A transform with its checked arguments and the per-spec state it keeps across calls.
-
-    ``call`` is the function with its arguments bound (``call(x, ctx)``, or ``call(x)`` when
-    ``wants_ctx`` is false); ``needs_ctx`` says whether the context must be filled in (else None is
-    passed, and the engine builds nothing on that call).
-    """
-
-    name: str
-    fn: TransformFn
-    args: dict[str, Any]
-    batched: BatchedFn | None = None
-    structured: bool = False
-    value_dependent: bool = False
-    wants_ctx: bool = True
-    needs_ctx: bool = True
-    stateful: bool = False
-    alias_of: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.call: Callable[..., Any] = functools.partial(self.fn, **self.args) if self.args else self.fn
-
-    def __call__(self, x: Any, ctx: HookContext | None) -> Any:
-        return self.call(x, ctx) if self.wants_ctx else self.call(x)
-
-    def batch_key(self) -> tuple[Any, ...] | None:
-        """Transforms with equal keys can run as one batched call over all their tensors. Stateful ones keep
-        their state per spec, so they batch within their own spec only."""
-        if self.batched is None:
-            return None
-        key = (self.name, tuple(sorted((k, repr(v)) for k, v in self.args.items())))
-        return (*key, id(self)) if self.stateful else key
-
-
-def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, skip: int) -> None:
-    params = list(inspect.signature(fn).parameters.values())[skip:]
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return
-    allowed = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    for key in args:
-        if key not in allowed:
-            listing = ", ".join(allowed) if allowed else "none"
-            raise TransformArgsError(
-                f"transform {name!r} has no argument {key!r}.{did_you_mean(key, allowed)} "
-                f"Its arguments: {listing}.",
-                spec=spec,
-                field=f"args.{key}",
-            )
-    missing = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL
-               and p.name not in args]
-    if missing:
-        raise TransformArgsError(
-            f"transform {name!r} needs the argument(s) {', '.join(missing)}: add them under args, "
-            f"e.g. args: {{{missing[0]}: ...}}.",
-            spec=spec,
-            field="args",
-        )
-    _check_numbers(fn, args, name, spec)
-
-
-def _check_numbers(fn: TransformFn, args: dict[str, Any], name: str, spec: str) -> None:
-    """An argument its signature types as a number (``min: float | None``) must be one: ``args.min=abc`` from
-    the command line is an error here, not a TypeError inside the first hook call."""
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:  # annotations a user wrote that do not evaluate: nothing to check against
-        return
-    for key, value in args.items():
-        hint = hints.get(key)
-        if hint is None or value is None:
-            continue
-        allowed = set(typing.get_args(hint)) or {hint}
-        numeric = allowed & {int, float}
-        if numeric and allowed <= {int, float, type(None)} and (
-                not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise TransformArgsError(f"transform {name!r} takes a number for {key!r}, got {value!r}.", spec=spec,
-                                     field=f"args.{key}")
-
-
-def _bind_callable(fn: Callable[..., Any], args: dict[str, Any], name: str, spec: str, **extra: Any) -> BoundTransform:
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    wants_ctx = any(p.name == "ctx" for p in params) or len(positional) - len(
-        [p for p in positional if p.name in args]) >= 2
-    if params:
-        _check_args(fn, args, name, spec, skip=2 if wants_ctx else 1)
-    return BoundTransform(name, fn, args, wants_ctx=wants_ctx, needs_ctx=wants_ctx, **extra)
-
-
-def bind_transform(transform: Any, args: Mapping[str, Any], spec: str) -> BoundTransform:
-    """Look up (or import, or wrap) the transform and check its arguments against its signature."""
-    args = dict(args)
-    if isinstance(transform, Mapping):
-        extra = {k: v for k, v in transform.items() if k != "_target_"}
-        path = str(transform["_target_"])
-        return _bind_callable(_locate(path, spec), {**extra, **args}, path, spec)
-    if isinstance(transform, Transform):
-        return _bind_callable(transform.fn, args, transform.name, spec, batched=transform.batched,
-                              structured=transform.structured, value_dependent=transform.value_dependent)
-    if callable(transform):
-        name = getattr(transform, "__qualname__", None) or repr(transform)
-        return _bind_callable(transform, args, name, spec)
-    info = TRANSFORMS.get(transform)
-    if info is None:  # parse_specs catches this first; kept for direct callers
-        raise SpecError(f"unknown transform {transform!r}.", spec=spec, field="transform")
-    args = {info.arg_aliases.get(k, k): v for k, v in args.items()}
-    if info.alias_of is not None:
-        if info.translate is not None:
-            _check_args(info.translate, args, info.name, spec, skip=0)
-            args = info.translate(**args)
-        target = TRANSFORMS[info.alias_of]
-    else:
-        target = info
-    _check_args(target.fn, args, info.name, spec, skip=2)
-    if target.check is not None:
-        try:
-            target.check(**args)
-        except TransformArgsError as e:
-            raise TransformArgsError(f"transform {info.name!r} {e}", spec=spec, field="args") from None
-    return BoundTransform(info.name, target.fn, args, target.batched, target.structured, target.value_dependent,
-                          True, target.needs_ctx, target.stateful, info.alias_of)

@@ -2,29 +2,12 @@
 
 ::
 
-    from hookexp.integrations.hf import HookexpCallback
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[HookexpCallback(
-        hooks={"clamp_mlp": {"target": "@mlp", "kind": "output_grad", "transform": "clamp", "args": {"min": -1}}},
-        stats={"every": 10, "group_by": r"re:^transformer\\.h\\.\\d+"})])
+    trainer = transformers.Trainer(..., callbacks=[HookexpCallback(hooks=specs, stats={"every": 10})])
 
-At ``on_train_begin`` it attaches the specs and the probes (:class:`hookexp.Watch`) to the model and the
-optimizer the Trainer made (unwrapped from accelerate's wrapper); at ``on_train_end`` it removes them (and a
-second ``train()`` after a failed one attaches them once, not twice). Every ``stats.every``-th optimizer step
-its metrics go to ``log`` when given (a callable ``log(metrics, step)`` or a W&B run), else to the W&B run the
-Trainer's ``report_to="wandb"`` started, with ``step`` the 0-based index of the optimizer step described
-(counted by the Trainer's ``global_step``); their scalars also go to ``state.log_history`` (the Trainer's own
-record, saved in ``trainer_state.json``) under the Trainer's own ``step``, the 1-based ``global_step``.
-
-One difference from the hookexp trainer: the Trainer clips the gradients (``max_grad_norm``, default 1.0)
-before any callback or optimizer hook runs, so ``grad/*`` describe the clipped gradients and ``pre_step``
-specs see them (the Trainer logs the norm before its clip as ``grad_norm``). Set ``max_grad_norm=0`` and clip
-with a ``pre_step`` ``clip_norm`` spec to keep the trainer's order. With ``stats={"gns": True}`` (the
-gradient noise scale over the ``gradient_accumulation_steps`` micro-batches, times the DDP ranks) this matters
-more: a clipped final gradient is not the big batch's, so set ``max_grad_norm=0`` there.
-
-``guard={"spike": {"metric": "grad/global_norm"}, "forensics": {...}}`` (the trainer's ``guard.spike`` and
-``guard.forensics`` keys) adds the spike recorder and first-divergence forensics: each spike's row, with the
-targets that left their range first, is in ``callback.spikes`` and its heatmap in ``args.output_dir``/forensics.
+It attaches at ``on_train_begin`` (to the model and the optimizer, unwrapped from accelerate) and removes at
+``on_train_end``; metrics go to ``log`` when given, else to the W&B run of ``report_to="wandb"``, and their
+scalars to ``state.log_history``. The Trainer clips gradients before any hook runs: docs/library.md says what
+that means for ``grad/*`` and ``pre_step`` specs. ``guard=`` adds the spike recorder and forensics.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""``HookexpCallback`` for ``lightning.Trainer``: hook specs and the hookexp trainer's statistics in a Lightning fit.
+"""``HookexpCallback`` for ``lightning.Trainer``: hook specs and the hookexp trainer's statistics in a fit.
 
 ::
 
-    from hookexp.integrations.lightning import HookexpCallback
-    trainer = lightning.Trainer(callbacks=[HookexpCallback(
-        hooks={"clamp": {"target": "conv", "kind": "output_grad", "transform": "clamp", "args": {"min": 0.0}}},
-        stats={"every": 10, "activations": "relu*", "hist_bins": 32})])
+    trainer = lightning.Trainer(callbacks=[HookexpCallback(hooks=specs, stats={"every": 10})])
 
-When training starts (after a resumed fit has restored ``global_step``) it attaches the specs and the probes
-(:class:`hookexp.Watch`) to the LightningModule and its first optimizer; at the end, or on an exception, it
-removes them. Every ``stats.every``-th optimizer step its metrics go to every logger of the trainer
-(``logger.log_metrics``; a ``WandbLogger`` gets one row with the histograms too), with ``step`` the 0-based
-index of the optimizer step described, counted by Lightning's ``global_step``. Lightning's
-``optimizer.step(closure)`` runs the backward inside the closure, after torch's step pre-hooks, so the
-``pre_step`` specs and the gradient probes run from ``on_before_optimizer_step`` instead, on the final
-gradients (before Lightning's gradient clipping), for the watched optimizer only. With ``stats={"gns": True}``
-the gradient noise scale's small batches are the ``accumulate_grad_batches`` micro-batches (times the DDP
-ranks), their samples measured from the LightningModule's own forward (``gns_batch_size`` when
-``training_step`` does not call it).
-
-``guard={"spike": {"metric": "grad/global_norm"}, "forensics": {...}}`` (the trainer's ``guard.spike`` and
-``guard.forensics`` keys) adds the spike recorder and first-divergence forensics: each spike's row, with the
-targets that left their range first, is in ``callback.spikes`` and its heatmap in ``default_root_dir``/forensics.
+It attaches when training starts (after a resumed fit restored ``global_step``) and removes at the end or on an
+exception; metrics go to every logger of the trainer. ``pre_step`` specs and the gradient probes run from
+``on_before_optimizer_step``, on the final gradients (``optimizer.step(closure)`` runs the backward after
+torch's step pre-hooks); docs/library.md has the rest. ``guard=`` adds the spike recorder and forensics.
 """
 
 from __future__ import annotations

@@ -134,8 +134,9 @@ class Parts:
 def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
     task = instantiate(drop_inherited(cfg.task, "task", overrides), "task")
     if not isinstance(task, Task):
-        raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.tasks.Task. Subclass "
-                          "hookexp.tasks.Task (override loss, and sums/metric_names for more metrics).", key="task")
+        raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.workloads.tasks.Task. "
+                          "Subclass hookexp.workloads.tasks.Task (override loss, and sums/metric_names for more "
+                          "metrics).", key="task")
     return task
 
 

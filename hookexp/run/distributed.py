@@ -224,7 +224,7 @@ def released_on_error(d: Dist) -> Iterator[None]:
 
 def engine_shards_gradients() -> bool:
     """Whether the engine hands a parameter kind's transform the local shard of a sharded (DTensor) gradient, with
-    ``HookContext.sum_over_shards`` for whole-tensor quantities such as clip_norm's norm (issue 21)."""
+    ``HookContext.sum_over_shards`` for whole-tensor quantities such as clip_norm's norm."""
     from hookexp.engine import HookContext
 
     return hasattr(HookContext, "sum_over_shards")

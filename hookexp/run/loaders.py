@@ -239,7 +239,7 @@ def check_data_config(data: DictConfig) -> None:
 
 def make_loaders(data: DictConfig, seed: int, ranks: Dist, device: torch.device, overrides: list[str] | None = None
                  ) -> Loaders:
-    """Build the data sets (``data.dataset``), normalise them (:func:`hookexp.data.as_splits`) and the collate
+    """Build the data sets (``data.dataset``), normalise them (:func:`hookexp.workloads.data.as_splits`) and the collate
     function, checked before anything loads."""
     from hookexp.run.instantiate import drop_inherited, instantiate
     from hookexp.workloads.data import as_splits

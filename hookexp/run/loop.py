@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hookexp.engine import validate
+from hookexp.engine import check_on_batch
 from hookexp.errors import ConfigError, HookCheckError
 from hookexp.run import distributed
 from hookexp.run.build import Parts, build, pick_device
@@ -90,7 +90,7 @@ def check_hooks(parts: Parts, specs: Any) -> Any:
     """The hooks checked on the first training batch, through the task's own forward and loss."""
     batch = to_device(next(parts.loaders.epoch(0)), parts.device)
     task = parts.task
-    return validate(parts.model, specs, batch, parts.optimizer, forward=lambda model, b: task.forward(model, b),
+    return check_on_batch(parts.model, specs, batch, parts.optimizer, forward=lambda model, b: task.forward(model, b),
                     loss_fn=lambda output, b: task.loss(output, b))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import socket
 import subprocess
@@ -55,7 +54,3 @@ def build_manifest(config: dict[str, Any], hooks_table: list[dict[str, Any]], se
         "hooks": hooks_table,
         "config": config,
     }
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")

@@ -24,13 +24,12 @@ from tqdm import tqdm
 
 from hookexp.analysis.plots import plot_grad_norms
 from hookexp.engine import HookHandle, attach
-from hookexp.engine.validate import hooks_summary
+from hookexp.engine.dryrun import hooks_summary
 from hookexp.errors import ConfigError
 from hookexp.goals import lower_is_better
 from hookexp.run import distributed
 from hookexp.run.build import Parts
 from hookexp.run.checkpoint import Checkpointer, LoopState
-from hookexp.run.checkpoint.config_diff import moved
 from hookexp.run.loaders import to_device
 from hookexp.run.manifest import build_manifest
 from hookexp.run.observers import trainer_observers
@@ -91,7 +90,7 @@ class Trainer:
         """Train to ``parts.total_steps``; returns the summary. A signal (SIGTERM/SIGINT) checkpoints and ends
         the run as "interrupted"; any exit goes through :meth:`close`."""
         status = "failed"
-        with self.ckpt.signals():
+        with self.ckpt.stops.catching():
             try:
                 status = self.steps()
             finally:
@@ -123,7 +122,7 @@ class Trainer:
             if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
                 self.evaluate()
             if self.maybe_checkpoint(taken, log_now, spike):
-                log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.signum, loop.step,
+                log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.stops.signum, loop.step,
                             self.ckpt.path)
                 bar.close()
                 return "interrupted"
@@ -253,8 +252,8 @@ class Trainer:
         ``stop_when`` held, a spike, a signal); returns whether a signal asks the run to stop. Under DDP the
         ranks agree on log steps only, so no other step pays a collective."""
         loop, ranks, every = self.loop, self.parts.ranks, self.cfg.trainer.checkpoint_every
-        stopping = self.ckpt.stop_requested if not ranks.enabled else (
-            log_now and ranks.any(self.ckpt.stop_requested, self.parts.device))
+        stopping = self.ckpt.stops.requested if not ranks.enabled else (
+            log_now and ranks.any(self.ckpt.stops.requested, self.parts.device))
         due = every and taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
                                    or self.reached is not None)
         if stopping or due or (spike is not None and self.spikes.checkpoint):
@@ -299,8 +298,7 @@ class Trainer:
         # into another directory (resume=PATH) starts a new one, so that the two never write into one
         same_dir = self.ckpt.source_run_dir is not None and \
             self.ckpt.source_run_dir.resolve() == self.run_dir.resolve()
-        # a checkpoint written before the package layout moved names the backend by its old path
-        saved = {moved(k): v for k, v in resumed.get("sinks", {}).items()} if resumed is not None and same_dir else {}
+        saved = resumed.get("sinks", {}) if resumed is not None and same_dir else {}
         kept = saved.get(target)
         run = RunInfo(self.run_dir, self.config_as_run(), self.hooks.table(),
                       int(resumed["loop"]["step"]) if resumed is not None else None, kept)
@@ -333,7 +331,8 @@ class Trainer:
             status = "failed"
         summary = summarize(run_dir / "metrics.jsonl") if self.local is not None else {}
         summary.update({
-            "status": status, "signal": self.ckpt.signum, "trainer/steps": loop.step, "trainer/epochs": loop.epoch,
+            "status": status, "signal": self.ckpt.stops.signum, "trainer/steps": loop.step,
+            "trainer/epochs": loop.epoch,
             "runtime_s": time.perf_counter() - self.started, "perf/train_loop_s": loop.train_s,
             "run_dir": str(run_dir), **self.observers.summary(), **calls,
         })
@@ -348,7 +347,7 @@ class Trainer:
             if plot is not None:
                 attempt(self.sinks.image, "plots/grad_norms", plot, max(loop.step - 1, 0))
         attempt(self.draw_forensics)  # a report the guard made as it stopped the run
-        summary["signal"] = self.ckpt.signum  # also one that came during this shutdown (it did not cut it)
+        summary["signal"] = self.ckpt.stops.signum  # also one that came during this shutdown (it did not cut it)
         attempt(self.sinks.finish, summary, status == "failed")
         attempt(distributed.teardown, parts.ranks, status != "failed")  # after a failure: no barrier
         if failures and sys.exc_info()[1] is None:

@@ -1,6 +1,6 @@
 """The task's training metrics between log steps, as sums on the device: no host sync on other steps.
 
-Each micro-batch adds its task's ``(sums, count)`` (:meth:`hookexp.tasks.Task.sums`) into one running
+Each micro-batch adds its task's ``(sums, count)`` (:meth:`hookexp.workloads.tasks.Task.sums`) into one running
 tensor — one add per step. The log step takes that tensor with the other producers' values in one
 device-to-host copy (:meth:`TrainMeter.pending` gives the tensor and its decoder) and starts a new period.
 Under DDP the sums are added over ranks there, in the one collective of the log step.
@@ -25,7 +25,7 @@ class _OneProcess:
 
 class TrainMeter(Observer):
     """``train/<metric>`` of the steps since the last log step: the task's sums over counted items. ``task``:
-    a :class:`hookexp.tasks.Task` (``metric_names``, ``finish``); ``ranks``: the run's ranks
+    a :class:`hookexp.workloads.tasks.Task` (``metric_names``, ``finish``); ``ranks``: the run's ranks
     (:class:`hookexp.run.distributed.Dist`: ``enabled``, ``sum``, ``gather``, ``world_size``, ``rank``,
     ``is_main``), None for one process."""
 

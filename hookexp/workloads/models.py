@@ -1,20 +1,11 @@
-"""The models the configs name, with module names a hook target can read.
+"""The models the configs name, with module names a hook target can read (docs/models.md).
 
-The image models are ``nn.Sequential``\\ s with named children (``conv1``, ``relu1``, ``fc1.bias``), so globs
-such as ``conv*`` or ``fc*.bias`` work across them. :class:`GPT` is a small decoder-only transformer written
-to be read and hooked (``blocks.N.attn``, ``blocks.N.mlp``); :func:`hf` builds a ``transformers`` model from a
-config mapping or a local folder. Data-derived arguments (``in_channels``, ``vocab_size``, ...) are ``auto``
-in conf/model and filled from the data's ``Splits.info`` by the run.
-
-A bad argument is a ValueError whose message starts with the parameter's name ("width must be at least 1,
-got 0"), so the run can name the config key (``model.width``) in front of it.
-
-µP (Yang et al. 2021, Tensor Programs V): :class:`MLP` and :class:`GPT` take ``parametrization="mup"`` and a
-``base_width``; the model is then built with the ``mup`` package (extra ``hookexp[mup]``): its output layer
-is a ``mup.MuReadout``, ``mup.set_base_shapes`` compares it with the same model at ``base_width`` and twice
-that (built on the meta device: only their shapes are read), and it trains with ``mup.MuAdam``,
-``mup.MuAdamW`` or ``mup.MuSGD`` (``optim._target_``). At ``base_width`` a µP model computes what the SP one
-does; wider, its activations' size stays that of the base width instead of growing.
+The image models are ``nn.Sequential`` s with named children (``conv1``, ``relu1``, ``fc1.bias``); :class:`GPT`
+is a small decoder-only transformer written to be read and hooked (``blocks.N.attn``, ``blocks.N.mlp``);
+:func:`hf` builds a ``transformers`` model. Data-derived arguments are ``auto`` in conf/model, filled from
+``Splits.info``. A bad argument is a ValueError whose message starts with the parameter's name, so the run can
+name the config key. µP: :class:`MLP` and :class:`GPT` take ``parametrization="mup"`` and a ``base_width`` and
+are built with the ``mup`` package (extra ``hookexp[mup]``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Tasks: what a batch means, how the model is called, the loss, and the metrics.
+"""Tasks: what a batch means, how the model is called, the loss, and the metrics (docs/models.md).
 
-A task is the objective of a run (config group ``task``): ``classification`` (the default),
-``causal_lm``, ``regression``, or a user's own class given as ``task._target_: my_pkg.MyTask``.
-It sees batches as the data gives them — a tuple/list ``(inputs..., target)`` or a mapping in the
-style of HuggingFace (``input_ids``, ``attention_mask``, ``labels``) — and model outputs as they
-come: a tensor, a tuple (the first element holds the logits), or a mapping / ``ModelOutput`` with
-``logits`` (and ``loss``).
-
-Metrics are kept as sums on the device (:meth:`Task.sums`), so a training step costs no host sync:
-the trainer adds them up between log steps and reads them back with the statistics. A metric is
-``sum / count``: for classification the count is examples, for ``causal_lm`` predicted tokens.
-
-Research code often computes its own loss (nanoGPT's ``forward(idx, targets=None)`` returns
-``(logits, loss)``). Every task takes two keys for it: ``inputs`` says which batch entry goes to which
-``forward`` parameter, sliced if need be (``{idx: "input_ids[:, :-1]", targets: "input_ids[:, 1:]"}``:
-nanoGPT's shifted next-token targets), and ``model_loss`` takes the loss the model returns (``true``:
-``.loss``, a mapping's ``loss``, or a tuple's one scalar; or a tuple position / a key) instead of the
-task's own; the metrics are then the loss (and ``ppl`` for ``causal_lm``).
-
-A user task subclasses :class:`Task` and overrides ``loss`` (and, for more metrics, ``metric_names``
-and ``sums``)::
-
-    class Hinge(hookexp.tasks.Task):
-        def loss(self, output, batch):
-            y = self.target(batch).float() * 2 - 1
-            return torch.clamp(1 - y * output.squeeze(-1), min=0).mean()
+A task (config group ``task``) is ``classification`` (the default), ``causal_lm``, ``regression`` or a user's
+class (``task._target_``). It takes batches as tuples ``(inputs..., target)`` or HF-style mappings and outputs
+as tensors, tuples (logits first) or mappings with ``logits``. Metrics are sums on the device
+(:meth:`Task.sums`, ``sum / count``), so a step costs no host sync. ``inputs`` maps batch entries to
+``forward`` parameters and ``model_loss`` takes the model's own loss (nanoGPT's ``forward(idx, targets)``). A
+user task subclasses :class:`Task` and overrides ``loss`` (and ``metric_names`` and ``sums`` for more metrics).
 """
 
 from __future__ import annotations

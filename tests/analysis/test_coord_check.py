@@ -1,5 +1,5 @@
 """The µP coordinate check: the models' µP option against plain torch and mup's own functions, the slope and
-``--max-slope`` of ``python -m hookexp.report --coord`` on a hand-made sweep of known power laws, and
+``--max-slope`` of ``hookexp report --coord`` on a hand-made sweep of known power laws, and
 experiment=coord_check run for a few steps at tiny widths."""
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def test_the_slope_per_layer_and_group_is_the_power_of_the_width(tmp_path):
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hookexp.report", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hookexp.analysis.report", *args], capture_output=True, text=True,
                           timeout=120)
 
 

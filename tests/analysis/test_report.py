@@ -1,4 +1,4 @@
-"""``python -m hookexp.report`` on hand-made sweeps (no training): steps to reach, the spread on log axes,
+"""``hookexp report`` on hand-made sweeps (no training): steps to reach, the spread on log axes,
 torn metrics files, the output folder, and the gradient-norm plot at 40+ layers."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def test_a_torn_last_line_is_skipped_and_a_killed_job_listed(tmp_path):
 
 
 def run_report(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hookexp.report", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hookexp", "report", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -171,12 +171,12 @@ def test_out_creates_missing_folders(tmp_path):
 
 
 def error_of(args: list[str], capsys) -> str:
-    """What ``python -m hookexp.report ARGS`` says on stderr; it must exit 2 as argparse does."""
+    """What ``hookexp report ARGS`` says on stderr; it must exit 2 as argparse does."""
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: python -m hookexp.report") and "Traceback" not in err
+    assert err.startswith("usage: hookexp report") and "Traceback" not in err
     return err.splitlines()[-1]
 
 
@@ -185,14 +185,14 @@ def test_bad_input_is_one_paragraph(tmp_path, capsys, monkeypatch):
     make_sweep(tmp_path / "sweep")
     (tmp_path / "a_file").write_text("")
     assert error_of(["sweep", "--out", "a_file/dir"], capsys) == (
-        "python -m hookexp.report: error: --out: cannot write the report to 'a_file/dir': Not a directory. Pass a "
+        "hookexp report: error: --out: cannot write the report to 'a_file/dir': Not a directory. Pass a "
         "folder you can write to (it is created if missing), e.g. --out reports/my_sweep.")
     (tmp_path / "empty").mkdir()
     assert error_of(["empty"], capsys) == (
-        "python -m hookexp.report: error: DIR: no job directories under empty: a job directory holds manifest.json "
+        "hookexp report: error: DIR: no job directories under empty: a job directory holds manifest.json "
         "(or failure.json for a job that failed). Pass a multirun directory (multirun/DATE/TIME) or the run "
         "directories themselves.")
-    assert error_of(["nowhere"], capsys) == ("python -m hookexp.report: error: DIR: nowhere is not a directory. Pass "
+    assert error_of(["nowhere"], capsys) == ("hookexp report: error: DIR: nowhere is not a directory. Pass "
                                              "a multirun directory (multirun/DATE/TIME) or run directories.")
     assert "error: --reach: 'val/acc' is not a target." in error_of(["sweep", "--reach", "val/acc"], capsys)
     assert not (tmp_path / "sweep" / "report.md").exists()

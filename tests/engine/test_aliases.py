@@ -9,7 +9,7 @@ import torch
 from engine_models import GPT
 from torch import nn
 
-from hookexp import ConfigError, RegistryError, TargetError, attach, match, register_aliases, validate
+from hookexp import ConfigError, RegistryError, TargetError, attach, check_on_batch, match, register_aliases
 from hookexp.engine import ALIASES
 from hookexp.workloads.models import MLP, PatchTransformer, SeedNet, SmallCNN
 
@@ -168,7 +168,7 @@ def test_one_alias_hook_set_on_two_architectures_matches_hand_written_hooks(arch
 def test_the_dry_run_and_the_table_show_what_each_alias_became():
     model, x = GPT(n_layer=2), torch.randint(0, 17, (2, 8))
     specs = {k: v for k, v in HOOK_SET.items() if k != "unembed"}
-    report = validate(model, specs, x)
+    report = check_on_batch(model, specs, x)
     assert report.ok, report.errors
     rows = {r["spec"]: r for r in report.rows}
     assert rows["attn"]["alias"] == "@attn = blocks.N.attn (hookexp.gpt)"
@@ -180,7 +180,7 @@ def test_the_dry_run_and_the_table_show_what_each_alias_became():
 
 
 def test_a_name_of_another_architecture_names_the_alias_that_means_it_here():
-    """Issue 27.7: `blocks.0.attn` (the gpt model's) on another architecture said only "matches no module"."""
+    """`blocks.0.attn` (the gpt model's) on another architecture names the alias that means it there."""
     pt = PatchTransformer(depth=2, d_model=16, heads=2, ff=32)
     with pytest.raises(TargetError) as e:
         attach(pt, {"a": {"target": "blocks.1.attn", "kind": "forward"}})
@@ -200,7 +200,7 @@ def test_a_name_of_another_architecture_names_the_alias_that_means_it_here():
 
 
 def test_the_shipped_hook_sets_use_aliases_for_parts_of_several_architectures():
-    """Issue 27.7: a target in conf/hooks/ that another architecture spells differently is written as its alias;
+    """A target in conf/hooks/ that another architecture spells differently is written as its alias;
     ablate_attn_eval then runs on the gpt model and the transformer alike."""
     from importlib import resources
 

@@ -148,9 +148,9 @@ def test_phase(phase, train_calls, eval_calls):
 
 @pytest.mark.parametrize("kind", ["forward", "forward_pre"])
 def test_a_train_spec_on_a_model_in_eval_mode_says_once_that_it_is_skipped(kind):
-    """Issue 27.23: attach() on a model in eval mode (the usual state for analysis) with the default phase did
-    nothing and said nothing: the output equalled the unhooked model's. Now one HookWarning names the spec, the
-    phase and the fix; with phase: eval the same spec acts, and warns nothing."""
+    """attach() on a model in eval mode (the usual state for analysis) with the default phase leaves the output
+    as the unhooked model's and says so once: one HookWarning names the spec, the phase and the fix; with
+    phase: eval the same spec acts, and warns nothing."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     x = torch.randn(3, 4)

@@ -10,8 +10,7 @@ import pytest
 import torch
 from engine_models import ResNetish
 
-from hookexp import HookCompatibilityError, HookexpError, HookRuntimeError, TransformOutputError, attach, validate
-from hookexp.engine import explain_torch_error
+from hookexp import HookCompatibilityError, HookexpError, HookRuntimeError, TransformOutputError, attach, check_on_batch
 
 BACKWARD_SIDE = ["backward", "backward_pre", "backward_legacy", "output_grad", "node", "node_pre"]
 TARGETS = ["layer1.0.bn1", "layer1.0.bn2", "layer1.0.relu", "layer1.0", "layer1.0.conv1"]
@@ -48,8 +47,7 @@ def test_every_backward_side_spec_is_refused_explained_or_works(kind, target):
         assert "(torch: Output 0 of BackwardHookFunction is a view and is being modified inplace" in str(e)
         explained = hooks.explain(e)
         assert isinstance(explained, HookCompatibilityError) and explained.spec == "s"
-        assert explain_torch_error(e, hooks) is explained  # the trainer's spelling
-        report = validate(model, spec, x)  # the dry run names it too
+        report = check_on_batch(model, spec, x)  # the dry run names it too
         assert report.errors == [str(explained)]
         return
     finally:
@@ -113,7 +111,7 @@ def test_an_input_modified_in_place_after_the_module_is_explained():
         model(torch.randn(2, 3, requires_grad=True)).sum().backward()
     assert str(hooks.explain(e.value)).startswith("hooks.bw.kind: an in-place op modified an input of 'a' (kind "
                                                   "'backward') after its forward")
-    report = validate(model, {"bw": {"target": "a", "kind": "backward"}}, torch.randn(2, 3, requires_grad=True))
+    report = check_on_batch(model, {"bw": {"target": "a", "kind": "backward"}}, torch.randn(2, 3, requires_grad=True))
     assert report.errors[0].startswith("hooks.bw.kind: an in-place op modified an input of 'a'")
 
 
@@ -132,10 +130,9 @@ class BnThenInplaceRelu(torch.nn.Module):
 
 @pytest.mark.filterwarnings("ignore::hookexp.HookWarning")
 def test_errors_the_engine_explains_leave_the_with_block_as_hookexp_errors():
-    """Issue 27.20: inside ``with attach(...)`` torch's in-place error around a full backward hook came out as a
-    plain RuntimeError (its text naming the spec); ``except HookexpError`` missed it. Now it is the
-    HookCompatibilityError that explains it, torch's error its cause; the same for a transform that cut the
-    graph."""
+    """Inside ``with attach(...)`` torch's in-place error around a full backward hook leaves the block as the
+    HookCompatibilityError that explains it (``except HookexpError`` catches it), torch's error its cause; the
+    same for a transform that cut the graph."""
     model = BnThenInplaceRelu()
     spec = {"bw": {"target": "bn1", "kind": "backward", "transform": "scale", "args": {"factor": 0.5}}}
     with pytest.raises(HookexpError) as e, attach(model, spec) as hooks:

@@ -128,3 +128,13 @@ def test_the_docs_say_what_the_registries_hold():
         for rel in list(entry.aliases.values()) + list(entry.outer.values()):
             for one in (rel,) if isinstance(rel, str) else (rel if isinstance(rel, tuple) else ()):
                 assert f"`{one}`" in table, (entry.name, one)
+
+
+def test_a_spec_that_leaves_fields_out_gets_hookspecs_defaults():
+    """check_spec fills what a spec leaves out from HookSpec's own field defaults (written nowhere else)."""
+    from hookexp.engine.schema import check_specs
+
+    (spec,), errors = check_specs({"s": {"target": "fc1", "kind": "forward"}})
+    assert errors == [] and spec == HookSpec(name="s", target="fc1", kind="forward")
+    (spec,), _ = check_specs({"s": {"target": "fc1", "kind": "forward", "every": 3, "phase": "eval"}})
+    assert spec == HookSpec(name="s", target="fc1", kind="forward", every=3, phase="eval")

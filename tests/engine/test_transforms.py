@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hookexp import TransformArgsError, attach
-from hookexp.engine.transforms import TRANSFORMS, HookContext, bind_transform
+from hookexp.engine import TRANSFORMS, HookContext
+from hookexp.engine.bound import bind_transform
 
 ARGS = {
     "add": {"value": 5.0}, "scale": {"factor": -2.0}, "clamp": {"min": -0.5, "max": 0.5}, "noise": {"std": 0.1},
@@ -152,7 +153,8 @@ def test_batched_transform_equals_the_per_tensor_transform_bit_for_bit(name, dty
         expected = [one(x, HookContext("s", "pre_step", n, step, state=one.state)) for x, n in zip(xs, names,
                                                                                                    strict=True)]
         got = [x.clone() for x in xs]
-        many.batched(got, HookContext("s", "pre_step", "*", step, state=many.state, targets=names), **many.args)
+        many.batched(got, HookContext("s", "pre_step", "*", step, state=many.state, targets=names),
+                     **many.batched_args)
         differ = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not torch.equal(bits(a), bits(b))]
         assert not differ, f"{name} {dtype} step {step}: {len(differ)} of 200 tensors differ, e.g. #{differ[0]}"
 
@@ -274,3 +276,23 @@ def test_grokfast_state_survives_a_checkpoint(rule, kw, tmp_path):
     rest, _ = grokfast_hooked(again, 3, x, y, rule, start=loaded, **kw)
     for step, (a, b) in enumerate(zip(straight[3:], rest, strict=True)):
         assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), f"{rule}: step {3 + step}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, i in TRANSFORMS.items() if i.alias_of is None))
+def test_a_transforms_defaults_are_written_once_in_its_signature(name):
+    """Its check and its batched version re-state no default: bind_transform passes them the function's."""
+    import inspect
+
+    info = TRANSFORMS[name]
+    for fn in (info.check, info.batched):
+        if fn is not None:
+            assert [p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty] == []
+
+
+def test_the_check_and_the_batched_version_get_the_signatures_defaults():
+    assert bind_transform("ma_amplify", {"lamb": 1.0}, "s").batched_args == {"window": 100, "lamb": 1.0,
+                                                                               "warmup": True}
+    assert bind_transform("ema_amplify", {}, "s").batched_args == {"alpha": 0.98, "lamb": 2.0}
+    assert bind_transform("ema_amplify", {}, "s").args == {}  # the hook table shows the args as written
+    with pytest.raises(TransformArgsError, match=r"needs an integer window >= 1, got 0"):
+        bind_transform("ma_amplify", {"window": 0}, "s")

@@ -12,7 +12,7 @@ import torch
 from engine_models import GPT, DataOut, KwModel, Output, Pair
 from torch import nn
 
-from hookexp import HookWarning, SpecError, attach, validate
+from hookexp import HookWarning, SpecError, attach, check_on_batch
 
 
 def run(model, x):
@@ -121,7 +121,7 @@ def test_a_spec_that_sees_no_tensor_is_a_dry_run_error_and_a_one_time_warning():
 
     model, x = NoGate(), torch.randn(2, 5, 6)
     spec = {"g": {"target": "inner", "kind": "forward_pre", "input": "gate", "transform": "zero"}}
-    report = validate(model, spec, x)
+    report = check_on_batch(model, spec, x)
     assert report.errors == ["hooks.g: the transform saw no tensor at 'inner' (input 'gate' was not passed), so the "
                              "hook would do nothing there; check the forward() parameter name and that the caller "
                              "passes it."]

@@ -22,10 +22,11 @@ ROOT = Path(__file__).parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
-# Appended to every `python -m hookexp` / `hookexp` / `python -m hookexp.ablate` command of a page (later
+# Appended to every `python -m hookexp` / `hookexp` / `hookexp ablate` command of a page (later
 # overrides win): two optimizer steps show that a command runs without training for its full length.
 SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
-TRAINS = (["python", "-m", "hookexp"], ["python", "-m", "hookexp.ablate"], ["hookexp"])
+TRAINS = (["python", "-m", "hookexp"], ["hookexp"])
+NO_TRAINING = ("report", "replay")  # subcommands that train nothing: run as written
 BLOCK = re.compile(r"(?:<!-- test: ([^\n]*?) -->\n)?```(\w+)\n(.*?)```", flags=re.S)
 
 
@@ -88,7 +89,9 @@ def key(command: str) -> tuple[str, ...]:
 
 def shortened(command: str) -> str:
     words = list(key(command))
-    if any(words[:len(t)] == t for t in TRAINS) and not {"--help", "--cfg"} & set(words):
+    head = next((len(t) for t in TRAINS if words[:len(t)] == t), None)
+    subcommand = words[head] if head is not None and head < len(words) else ""
+    if head is not None and subcommand not in NO_TRAINING and not {"--help", "--cfg"} & set(words):
         return f"{strip_comment(command)} {shlex.join(SHORT)}"
     return command
 

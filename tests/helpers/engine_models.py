@@ -1,6 +1,6 @@
 """Small models for the engine tests, written as the real ones are (importable as `engine_models`).
 
-- :class:`GPT`: the module names ARCHITECTURE.md fixes for ``hookexp.models.GPT`` (embed, pos_embed,
+- :class:`GPT`: the module names ARCHITECTURE.md fixes for ``hookexp.workloads.models.GPT`` (embed, pos_embed,
   blocks.N.{ln1, attn.{qkv, proj}, ln2, mlp.{fc, act, proj}}, norm, head), its blocks calling ``attn``
   with a keyword argument; a stand-in until the package's model lands, so the alias table is keyed on
   the same names.

@@ -81,7 +81,7 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
           "Did you mean 'conv2' or 'conv1'?", "Its modules are: conv1, relu1, conv2"]),
         (["+dry_ru=true"], ["hookexp: error: dry_ru: unknown top-level key. Did you mean 'dry_run'?"]),
         (["+trainer.epoch=3"], ["hookexp: error: trainer.epoch: unknown key. Did you mean 'epochs'?"]),
-        # issue 27.6: a misspelled key without + gets the did-you-mean, not Hydra's advice to add it
+        # a misspelled key without + gets the did-you-mean, not Hydra's advice to add it
         (["trainer.max_step=20"], ["hookexp: error: trainer.max_step: unknown key. Did you mean 'max_steps'?"]),
         (["hooks=clamp_conv", "hooks.clamp_conv.args.maxx=1"],
          ["hookexp: error: hooks.clamp_conv.args.maxx: transform 'clamp' has no argument 'maxx'. Did you mean 'max'?"]),
@@ -109,7 +109,7 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
 
 
 def test_an_explicit_max_steps_lifts_the_default_epochs_and_the_final_line_names_the_limit(workdir):
-    """Issue 27.5: 2 steps an epoch (1437 examples, batches of 720): the default 10 epochs would stop at 20."""
+    """2 steps an epoch (1437 examples, batches of 720): the default 10 epochs would stop at 20."""
     common = ["logger=none", "data.batch_size=720", "stats.every=100"]
     done = run_cli([*common, "trainer.max_steps=25", "hydra.run.dir=steps"], workdir)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -124,9 +124,9 @@ def test_an_explicit_max_steps_lifts_the_default_epochs_and_the_final_line_names
 
 
 def test_an_interpolation_naming_a_missing_key_is_one_paragraph(workdir):
-    """Issue 27.8: a model file written for an older data option (``${data.num_classes}``)."""
+    """A model file written for an older data option (``${data.num_classes}``)."""
     (workdir / "mine" / "model").mkdir(parents=True)
-    (workdir / "mine" / "model" / "old.yaml").write_text("_target_: hookexp.models.SmallCNN\n"
+    (workdir / "mine" / "model" / "old.yaml").write_text("_target_: hookexp.workloads.models.SmallCNN\n"
                                                          "num_classes: ${data.num_classes}\n")
     done = run_cli(["--config-dir", str(workdir / "mine"), "model=old", "hydra.run.dir=run"], workdir)
     assert done.returncode == 2 and not (workdir / "run").exists()
@@ -176,7 +176,7 @@ def test_a_run_directory_holds_one_run_and_resume_recomposes_its_config(workdir)
 
 
 def test_the_resume_command_an_interrupted_run_prints_works(workdir):
-    """Issue 27.2: the command names the interpreter that ran, so it works where `python` is another one."""
+    """The command names the interpreter that ran, so it works where `python` is another one."""
     import shlex
     import subprocess
     import sys
@@ -203,6 +203,7 @@ def test_help_answers_without_importing_torch(workdir):
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hookexp", "--help"], cwd=workdir,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "== Config groups" in done.stdout
+    assert "== Subcommands" in done.stdout and "report DIR [DIR ...]" in done.stdout and "replay RUN_DIR" in done.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
     assert "hookexp.cli" in imported and "torch" not in imported
 
@@ -233,7 +234,7 @@ def test_without_wandb_the_local_files_are_still_written(args, workdir):
 @pytest.mark.parametrize(("environment", "args", "writes_wandb"), [("disabled", [], False),
                                                                    ("offline", ["logger.mode=disabled"], True)])
 def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, writes_wandb, workdir):
-    """Issue 27.12: CI switches W&B off with WANDB_MODE=disabled; any valid WANDB_MODE wins, as W&B users expect."""
+    """CI switches W&B off with WANDB_MODE=disabled; any valid WANDB_MODE wins, as W&B users expect."""
     done = run_cli([*args, "trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_MODE": environment})
     assert done.returncode == 0, done.stderr[-2000:]
     assert (workdir / "run" / "wandb").exists() == writes_wandb
@@ -243,7 +244,7 @@ def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, 
 
 
 def test_a_wandb_run_keeps_the_terminal_quiet_and_the_last_line_is_hookexps(workdir):
-    """Issue 27.21: no W&B history and summary at the end of each run (W&B's own quiet setting)."""
+    """No W&B history and summary at the end of each run (W&B's own quiet setting)."""
     done = run_cli(["trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_SILENT": "false"})
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("wandb:")]
@@ -254,9 +255,9 @@ def test_a_wandb_run_keeps_the_terminal_quiet_and_the_last_line_is_hookexps(work
 
 
 def test_a_wandb_server_that_never_answers_costs_init_timeout_then_training_goes_on_offline(workdir):
-    """Issue 20.14: a server that accepts connections and never answers used to cost ~20 s before training and
-    ~26 s at exit (W&B's own retries and telemetry exporter waiting on it). Now one probe bounded by
-    init_timeout asks it, once, and the run goes on offline. Issue 27.1: checked by what happened (the server
+    """A server that accepts connections and never answers (W&B's own retries and telemetry exporter would
+    wait on it before training and at exit): one probe bounded by init_timeout asks it, once, and the run goes
+    on offline. Checked by what happened (the server
     asked once, the fallback said once, an offline run written, training finished), never by wall time."""
     import socket
     import threading
@@ -288,7 +289,7 @@ def test_unknown_wandb_mode_is_refused(workdir):
 
 
 def test_a_run_directory_that_cannot_be_made_is_one_paragraph(workdir):
-    """Issue 20.10: a file where a folder of the run directory's path should be (as root, permissions cannot stand
+    """A file where a folder of the run directory's path should be (as root, permissions cannot stand
     in: root writes anywhere); the same check covers a read-only disk."""
     (workdir / "blocker").write_text("a file")
     done = run_cli(["trainer.max_steps=2", "logger=none", "hydra.run.dir=blocker/run"], workdir)
@@ -309,7 +310,7 @@ def hook_files(workdir: Path) -> Path:
 
 
 def test_the_same_spec_name_in_two_selected_hook_files_is_refused_naming_both(workdir):
-    """Issue 20.12: Hydra would merge the two (b's kind and transform with a's fields); refused on the command line
+    """Hydra would merge the two (b's kind and transform with a's fields); refused on the command line
     and in the Python API's compose, before anything is written."""
     conf = hook_files(workdir)
     done = run_cli(["--config-dir", str(conf), "hooks=[a,b]", "hydra.run.dir=run"], workdir)
@@ -332,11 +333,11 @@ def config_dir_flags(how: str, conf: Path) -> list[str]:
 
 @pytest.mark.parametrize("how", ["config-dir", "searchpath"])
 def test_a_users_config_directory_is_found_by_config_dir_and_by_hydra_searchpath(how, workdir):
-    """Issue 27.10: both ways Hydra documents find the user's hooks/ and model/ files."""
+    """Both ways Hydra documents find the user's hooks/ and model/ files."""
     conf = hook_files(workdir)
     (conf / "model").mkdir()
-    (conf / "model" / "tiny.yaml").write_text("_target_: hookexp.models.MLP\ninput_dim: auto\noutput_dim: auto\n"
-                                              "depth: 2\nwidth: 8\n")
+    (conf / "model" / "tiny.yaml").write_text("_target_: hookexp.workloads.models.MLP\ninput_dim: auto\n"
+                                              "output_dim: auto\ndepth: 2\nwidth: 8\n")
     done = run_cli([*config_dir_flags(how, conf), "model=tiny", "hooks=b", "+dry_run=true", "logger=none",
                     "hydra.run.dir=run"], workdir)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -346,7 +347,7 @@ def test_a_users_config_directory_is_found_by_config_dir_and_by_hydra_searchpath
 
 @pytest.mark.parametrize("how", ["config-dir", "searchpath"])
 def test_two_hook_files_of_a_users_config_directory_defining_one_spec_are_hookexps_error(how, workdir):
-    """Issue 27.11: the same refusal whichever way the directory was given."""
+    """The same refusal whichever way the directory was given."""
     done = run_cli([*config_dir_flags(how, hook_files(workdir)), "hooks=[a,b]", "hydra.run.dir=run"], workdir)
     assert done.returncode == 2 and not (workdir / "run").exists()
     assert done.stderr.strip().splitlines()[-1] == (

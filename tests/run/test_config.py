@@ -108,7 +108,7 @@ def test_every_option_of_plain_groups_composes(group):
 
 
 # The typed keys of every composed config as they were when the defaults were still repeated in conf/trainer,
-# conf/stats and conf/guard (issue 26): written out here so that moving a default (into hookexp/config.py or
+# conf/stats and conf/guard: written out here so that moving a default (into hookexp/config.py or
 # anywhere else) cannot silently change it. DEFAULTS: what the main config has; CHANGED: what an option changes.
 DEFAULTS = {
     "seed": 0, "resume": None, "optimized_metric": None, "repro.deterministic": False,

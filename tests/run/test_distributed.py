@@ -58,7 +58,7 @@ def test_two_ranks_stay_in_sync_only_rank_0_writes_and_a_resume_keeps_every_rank
 
 
 def test_an_interrupted_torchrun_prints_its_command_once_and_other_ranks_leave_no_directory(workdir):
-    """Issues 27.2 and 27.17: rank 0 alone prints the resume command, torchrun's with its rank counts; each rank's
+    """Rank 0 alone prints the resume command, torchrun's with its rank counts; each rank's
     Hydra names a directory of its own here (runs/<rank>, as timestamps a second apart do) and only the run's is
     left."""
     stop = "+hooks.stop={target:fc2,kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"

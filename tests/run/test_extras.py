@@ -1,4 +1,4 @@
-"""Issue 27.4: the quick start installs the main job's packages only; an optional feature used without its extra
+"""The quick start installs the main job's packages only; an optional feature used without its extra
 is one paragraph naming the extra to install. Each feature is tried with its package made unimportable (None in
 sys.modules, as Python does for a module that failed to import)."""
 

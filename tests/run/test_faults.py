@@ -54,7 +54,7 @@ def interrupted_then_resumed(tmp_path: Path, stop_at: int, *overrides: str, base
 
 
 def test_sigterm_mid_epoch_then_resume_equals_the_uninterrupted_run_and_keeps_the_records(tmp_path):
-    """Issue 20.4 (records) and 20.6 (data workers): with 2 workers the data order after the checkpoint is the
+    """Records and data workers: with 2 workers the data order after the checkpoint is the
     uninterrupted run's, and records made before the checkpoint survive."""
     straight, cut = interrupted_then_resumed(tmp_path, 16, "data.num_workers=2")  # 23 batches an epoch: mid-epoch
     same_results(straight, cut)
@@ -67,7 +67,7 @@ def test_sigterm_mid_epoch_then_resume_equals_the_uninterrupted_run_and_keeps_th
 
 
 def test_a_language_model_on_a_text_file_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
-    """Issue 17's acceptance: SIGTERM mid-epoch, accumulate=2, a cosine schedule, causal_lm on the gpt model."""
+    """SIGTERM mid-epoch, accumulate=2, a cosine schedule, causal_lm on the gpt model."""
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: hooks change what a network learns.\n" for i in range(60)))
     lm = ["task=causal_lm", "model=gpt", "model.n_layer=1", "model.d_model=32", "data=text_file",
@@ -81,14 +81,14 @@ def test_a_language_model_on_a_text_file_resumes_mid_epoch_exactly(tmp_path, mon
 
 
 def test_fp16_resume_keeps_the_grad_scaler_and_its_statistics(tmp_path):
-    """Issue 20.9: the GradScaler's scale is part of the checkpoint."""
+    """The GradScaler's scale is part of the checkpoint."""
     straight, cut = interrupted_then_resumed(tmp_path, 5, "trainer.precision=fp16",
                                              base=["trainer.max_steps=9", "stats.every=2", "hooks=grad_noise"])
     same_results(straight, cut)
 
 
 def test_a_nan_never_replaces_the_last_good_checkpoint(tmp_path):
-    """Issue 20.1: under warn, NaN weights from step 3 on are never checkpointed over step 3's state."""
+    """Under warn, NaN weights from step 3 on are never checkpointed over step 3's state."""
     poison = "+hooks.poison={target:fc1.bias,kind:grad,transform:{_target_:user_transforms.nan_at,step:3}}"
     summary = train(config(poison, "guard.nan_policy=warn", "trainer.max_steps=8", "trainer.checkpoint_every=1"),
                     tmp_path)
@@ -98,7 +98,7 @@ def test_a_nan_never_replaces_the_last_good_checkpoint(tmp_path):
 
 
 def test_resuming_from_the_final_checkpoint_writes_the_final_summary(tmp_path):
-    """Issue 20.2: killed after the last checkpoint, during the shutdown: the resumed run neither drops the last
+    """Killed after the last checkpoint, during the shutdown: the resumed run neither drops the last
     validation line nor writes stale values."""
     args = ["trainer.max_steps=12", "trainer.checkpoint_every=6", "stats.every=4"]
     killed = fault(tmp_path, "kill_in_shutdown", *args, "logger=none", "hydra.run.dir=cut")
@@ -109,7 +109,7 @@ def test_resuming_from_the_final_checkpoint_writes_the_final_summary(tmp_path):
 
 
 def test_sigterm_during_shutdown_does_not_cut_it(tmp_path):
-    """Issue 20.5: the summary is written, the run ends as finished, and its W&B run is finished with that
+    """The summary is written, the run ends as finished, and its W&B run is finished with that
     summary (the signal comes while the plot is drawn, before W&B's finish)."""
     done = fault(tmp_path, "term_in_shutdown", "trainer.max_steps=5", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -121,7 +121,7 @@ def test_sigterm_during_shutdown_does_not_cut_it(tmp_path):
 
 
 def test_sigterm_just_after_the_run_finished_exits_0(tmp_path):
-    """Issue 27.18: the signal comes as the run logs "finished"; the run is finished and exits 0."""
+    """The signal comes as the run logs "finished"; the run is finished and exits 0."""
     done = fault(tmp_path, "term_after_finish", "trainer.max_steps=3", "logger=none", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "finished 3 steps (trainer.max_steps=3 reached) in " in done.stdout
@@ -135,7 +135,7 @@ def fault(cwd: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_is_removed(tmp_path):
-    """Issues 20.13 and the atomic write: the second checkpoint is torn by a kill; resume takes the first."""
+    """The atomic write: the second checkpoint is torn by a kill; resume takes the first."""
     args = ["trainer.max_steps=30", "trainer.checkpoint_every=10", "stats.every=5"]
     killed = fault(tmp_path, "kill_in_checkpoint:2", *args, "logger=none", "hydra.run.dir=cut")
     assert killed.returncode == -9
@@ -159,7 +159,7 @@ def test_a_kill_inside_a_metrics_write_leaves_whole_lines_and_resume_cuts_back_t
 
 
 def test_a_full_disk_is_one_paragraph_and_leaves_whole_lines_and_a_valid_summary(tmp_path):
-    """Issue 20.10, with the file-size limit standing in for a full disk."""
+    """A full disk, with the file-size limit standing in for it."""
     done = fault(tmp_path, "fsize:60000", "trainer.max_steps=60", "stats.every=1", "logger=none",
                  "hydra.run.dir=run")
     assert done.returncode == 2, done.stderr[-3000:]
@@ -194,7 +194,7 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_o
 
 
 def test_a_disk_full_inside_a_checkpoint_write_is_one_paragraph_and_keeps_the_last_checkpoint(tmp_path):
-    """Issue 27.14: ENOSPC inside torch.save (torch wraps it in a RuntimeError) on the 2nd checkpoint (step 4)."""
+    """ENOSPC inside torch.save (torch wraps it in a RuntimeError) on the 2nd checkpoint (step 4)."""
     done = fault(tmp_path, "enospc_in_checkpoint:2", "trainer.max_steps=6", "trainer.checkpoint_every=2",
                  "logger=none", "hydra.run.dir=run")
     assert done.returncode == 2, done.stderr[-3000:]
@@ -210,7 +210,7 @@ def test_a_disk_full_inside_a_checkpoint_write_is_one_paragraph_and_keeps_the_la
 
 @pytest.mark.parametrize("damage", ["flip", "empty", "no_hooks"])
 def test_a_damaged_checkpoint_is_refused_before_anything_is_touched(tmp_path, damage):
-    """Issue 20.7: flipped bytes (a CRC), an empty file, a checkpoint lacking the hooks' state."""
+    """Flipped bytes (a CRC), an empty file, a checkpoint lacking the hooks' state."""
     train(config("trainer.max_steps=6", "trainer.checkpoint_every=3"), tmp_path)
     path = tmp_path / "checkpoints" / "last.pt"
     if damage == "flip":
@@ -249,7 +249,7 @@ def test_a_finished_run_goes_on_from_its_last_step(tmp_path):
 
 
 def test_resuming_with_another_config_lists_the_differences(tmp_path):
-    """Issue 20.8: a changed lr or hook spec is refused; trainer.max_steps may change."""
+    """A changed lr or hook spec is refused; trainer.max_steps may change."""
     train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path / "a")
     with pytest.raises(CheckpointError) as e:
         train(config("trainer.max_steps=4", "optim.lr=0.5", "hooks=clamp_conv", f"resume={tmp_path / 'a'}"),

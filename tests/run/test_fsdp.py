@@ -33,7 +33,7 @@ FSDP = ["trainer.strategy=fsdp"]  # trainer.fsdp.wrap: @blocks
 STOP = "+hooks.stop={target:blocks.0,kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
 
 
-ENGINE_CHANGE = "the engine does not yet give parameter kinds the local shard of a DTensor gradient (issue 21)"
+ENGINE_CHANGE = "the engine does not yet give parameter kinds the local shard of a DTensor gradient"
 # A pre_step clip on every parameter when the engine handles sharded gradients; every family of statistics, whose
 # sharded values (parameters, gradients, optimizer states) and data-parallel ones (activations) are combined over the
 # ranks.
@@ -120,7 +120,7 @@ def test_parameter_kinds_act_on_the_reduced_shard_and_clip_by_the_global_norm(ki
 
 @pytest.mark.parametrize("case", PARAMETER_KINDS)
 def test_parameter_kinds_measure_the_whole_tensor_not_the_shard(kinds, case):
-    """Issue 27.15: the hook effects (hook/<spec>/change_norm, cosine, frac_changed) of a parameter kind on the
+    """The hook effects (hook/<spec>/change_norm, cosine, frac_changed) of a parameter kind on the
     sharded model equal the unsharded model's: squared norms and counts are summed over the shards."""
     row = kinds[case]
     assert "error" not in row, row.get("traceback", row.get("error"))
@@ -354,7 +354,7 @@ def test_two_fsdp_ranks_log_the_statistics_of_the_unsharded_gradients(two_ranks)
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
     clip = {"hook/clip/change_norm", "hook/clip/cosine", "hook/clip/frac_changed"} if CLIP else set()
     assert clip <= {k for r in single for k in r}
-    for a, b in zip(fsdp, single, strict=True):  # issue 27.15: the pre_step clip's effects, of the whole tensors
+    for a, b in zip(fsdp, single, strict=True):  # the pre_step clip's effects, of the whole tensors
         for key in [k for k in b if k in clip]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
     hists = [read_jsonl(two_ranks / run / "histograms.jsonl") for run in ("sweep/0", "single")]

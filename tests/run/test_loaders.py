@@ -55,7 +55,7 @@ def test_an_epoch_restarted_at_a_batch_gives_the_remaining_batches_exactly(worke
 
 
 def test_an_explicit_max_steps_lifts_the_default_epoch_limit_and_both_explicit_the_first_reached_ends():
-    """Issue 27.5: 7 batches an epoch; epochs=None is the default of 10 epochs (70 steps)."""
+    """7 batches an epoch; epochs=None is the default of 10 epochs (70 steps)."""
     data = loaders(0)
     assert data.total_steps(epochs=None, max_steps=None, accumulate=1) == (70, "the default 10 epochs")
     assert data.total_steps(epochs=None, max_steps=4000, accumulate=1) == (4000, "trainer.max_steps=4000")

@@ -1,4 +1,4 @@
-"""The logger backends behind hookexp.sinks.Sink (issue 26.4): TensorBoard's event files read back against the
+"""The logger backends behind hookexp.run.sinks.Sink: TensorBoard's event files read back against the
 local files, a missing tensorboard package, an unknown ``logger._target_``, and a resumed W&B run."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hookexp.run import train as run_train
 from hookexp.run.rundir import results_in
 from hookexp.run.sinks import RunInfo, TensorBoardSink, check_logger
 
-MISSING = ("logger=tensorboard (hookexp.sinks.TensorBoardSink) needs tensorboard, which is not installed. Install the "
-           "extra: pip install 'hookexp[tensorboard]'")
+MISSING = ("logger=tensorboard (hookexp.run.sinks.TensorBoardSink) needs tensorboard, which is not installed. "
+           "Install the extra: pip install 'hookexp[tensorboard]'")
 
 
 def number(value: float | str) -> float:
@@ -106,7 +106,7 @@ def test_an_unknown_logger_target_is_refused_naming_the_key():
     assert e.value.key == "logger._target_"
     assert str(e.value).startswith("logger._target_: cannot import the logger backend 'hookexp.sinks.Tensorboard' (")
     assert str(e.value).endswith("Use logger=wandb, logger=tensorboard or logger=none, or the import path of a class "
-                                 "that implements hookexp.sinks.Sink (local files are always written).")
+                                 "that implements hookexp.run.sinks.Sink (local files are always written).")
 
 
 def wandb_runs(run_dir: Path) -> list[Path]:
@@ -153,25 +153,3 @@ def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_
     assert [run_id(p) for p in second] == [run_id(first)]  # the same W&B run id
     steps = [r["trainer/step"] for r in wandb_rows(second[0]) if "plots/grad_norms._type" not in r]
     assert steps == [2, 3, 3]
-
-
-def test_a_checkpoint_that_names_the_backend_by_its_old_path_continues_its_wandb_run(tmp_path: Path,
-                                                                                      monkeypatch: pytest.MonkeyPatch):
-    """Checkpoints written before the package layout moved keep the W&B run id under ``hookexp.sinks.WandbSink``."""
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-    def cfg(steps: int):
-        return compose("logger=wandb", f"trainer.max_steps={steps}", "trainer.checkpoint_every=2",
-                       "trainer.eval_every=0", "trainer.progress=false")
-
-    run = tmp_path / "run"
-    run_train(cfg(2), run)
-    (first,) = wandb_runs(run)
-    path = run / "checkpoints" / "last.pt"
-    ckpt = torch.load(path, weights_only=True)
-    ckpt["sinks"] = {"hookexp.sinks.WandbSink": ckpt["sinks"].pop("hookexp.run.sinks.WandbSink")}
-    torch.save(ckpt, path)
-    run_train(cfg(4), run, resume=True)
-    second = [p for p in wandb_runs(run) if p != first]
-    assert [run_id(p) for p in second] == [run_id(first)]  # the same W&B run id

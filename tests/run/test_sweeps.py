@@ -89,7 +89,7 @@ def test_a_failing_job_does_not_lose_the_others(workdir):
 def test_ablate_runs_leave_one_out_and_reports(workdir):
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "hookexp.ablate", "hooks=[clamp_conv,zero_fc_bias]", "seed=0,1",
+    done = subprocess.run([sys.executable, "-m", "hookexp", "ablate", "hooks=[clamp_conv,zero_fc_bias]", "seed=0,1",
                            "trainer.progress=false", *FAST, "hydra.sweep.dir=abl"], cwd=workdir, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

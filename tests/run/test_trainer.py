@@ -367,7 +367,7 @@ def test_a_transform_that_cuts_the_graph_warns_and_is_named_when_backward_finds_
 
 
 def test_a_transform_that_starts_cutting_the_graph_at_a_later_step_is_named_with_that_step(tmp_path: Path):
-    """Issue 27.16: the graph is whole until step 3, where the spec's window starts."""
+    """The graph is whole until step 3, where the spec's window starts."""
     from hookexp.errors import HookWarning, TransformOutputError
 
     spec = "+hooks.cut={target:fc2,kind:forward,transform:{_target_:user_transforms.detached},start_step:3}"
@@ -420,7 +420,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a_stream(tmp_path: Path, caplog):
-    """Issue 27.9: max label + 1 over training and validation, said in the log; an iterable set cannot say it."""
+    """Max label + 1 over training and validation, said in the log; an iterable set cannot say it."""
     overrides = ["model._target_=test_trainer.Classifier", "model.num_classes=auto",
                  "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
                  "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
@@ -440,7 +440,7 @@ def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a
 
 
 def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path: Path, caplog):
-    """Issue 27.9 with model=mlp (input_dim, output_dim: auto): one example's input gives input_dim, the labels
+    """model=mlp (input_dim, output_dim: auto): one example's input gives input_dim, the labels
     output_dim, said in the log; the built model is the one those sizes make."""
     overrides = ["model=mlp", "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
                  "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
@@ -454,8 +454,8 @@ def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path:
 
 
 def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_path: Path):
-    """Issue 27.19: a script calling hookexp.run.train twice into one directory ended in a RunDirError whose fixes
-    were command-line flags (+overwrite=true). train() takes resume= and overwrite=, and its errors name them."""
+    """A script calling hookexp.run.train twice into one directory: train() takes resume= and overwrite=, and
+    its errors name them (not the command line's +overwrite=true)."""
     from hookexp import CheckpointError, RunDirError
     from hookexp.run import compose
     from hookexp.run import train as run_train

@@ -57,7 +57,7 @@ def test_the_recorder_compares_with_the_median_of_its_window():
 
 
 def test_a_lasting_rise_is_one_spike_and_the_median_follows_it():
-    """Issue 27.13: a loss at 0.17 that jumps to 0.3-2.8 and stays there (a collapse to chance) is one spike; the
+    """A loss at 0.17 that jumps to 0.3-2.8 and stays there (a collapse to chance) is one spike; the
     median moves up to the new level with the values logged during and after the spike's steps."""
     rec = SpikeRecorder.from_config({"metric": "m", "window": 5, "threshold": 3.0, "steps": 3}, [], [])
     before = [0.17, 0.18, 0.1746, 0.16, 0.19]

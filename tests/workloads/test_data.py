@@ -1,4 +1,4 @@
-"""hookexp.data: every factory's examples by content against the same thing computed by hand, as_splits on
+"""hookexp.workloads.data: every factory's examples by content against the same thing computed by hand, as_splits on
 each accepted form and its error for anything else, pad_collate, and every conf/data option composed as a
 user selects it."""
 
@@ -299,7 +299,7 @@ def test_as_splits_splits_one_data_set_by_a_fixed_seed():
     assert isinstance(kept.val, TensorSet) and torch.equal(kept.val.x, x[val_idx]) and kept.collate_fn is whole_batch
 
 
-ACCEPTED_TEXT = "Return one of: a hookexp.data.Splits(train, val, info); a pair (train, val) of data sets; a mapping"
+ACCEPTED_TEXT = "Return one of: a hookexp.workloads.data.Splits(train, val, info); a pair (train, val) of data sets"
 
 
 @pytest.mark.parametrize(("obj", "pattern"), [
@@ -308,7 +308,8 @@ ACCEPTED_TEXT = "Return one of: a hookexp.data.Splits(train, val, info); a pair 
     ("digits", r"returned a builtins\.str \('digits'\)"),
     ({"train": [1], "test": [2]}, r"^data\.dataset: returned a mapping with keys \['test', 'train'\]; hookexp needs "
                                   r"'train' and 'val' or 'validation'"),
-    ((torch.zeros(3, 2), torch.zeros(3)), r"returned a pair of tensors .* return hookexp\.data\.TensorSet\(x, y\)"),
+    ((torch.zeros(3, 2), torch.zeros(3)),
+     r"returned a pair of tensors .* return hookexp\.workloads\.data\.TensorSet\(x, y\)"),
     (Stream(), r"returned one iterable data set \(Stream\), which cannot be split by data\.val_fraction"),
     ((tensors(), []), r"^data\.dataset: the val set is empty"),
     (Splits(tensors(), 5), r"^data\.dataset: the val set is a builtins\.int \(5\), not a data set"),
@@ -599,7 +600,7 @@ def test_text_file_needs_a_path(hydra_conf):
 
 
 def test_classes_in_reads_the_labels_of_map_style_sets_only():
-    """Issue 27.9: what model.num_classes=auto reads from a user's own data (largest label + 1)."""
+    """What model.num_classes=auto reads from a user's own data (largest label + 1)."""
     from torch.utils.data import Subset
 
     from hookexp.workloads.data import classes_in

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hookexp import attach, validate  # noqa: E402
+from hookexp import attach, check_on_batch  # noqa: E402
 
 HOOK_SET = {
     "blocks": {"target": "@blocks", "kind": "forward_pre", "input": "hidden_states", "transform": "scale",
@@ -113,7 +113,7 @@ def test_one_alias_hook_set_matches_hand_written_hooks_on_gpt2_and_llama(make):
 def test_the_dry_run_shows_the_aliases_on_gpt2_and_llama(make, arch):
     model, names = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    report = validate(model, HOOK_SET, torch.randint(0, 50, (2, 8)), opt)
+    report = check_on_batch(model, HOOK_SET, torch.randint(0, 50, (2, 8)), opt)
     assert report.ok, report.errors
     rows = {r["spec"]: r for r in report.rows}
     assert rows["attn"]["alias"] == f"@attn = {names['attn'][0].replace('.0.', '.N.')} ({arch})"
@@ -153,7 +153,7 @@ def test_bert_resolves_the_same_hook_set_and_its_missing_norm_is_optional():
                                   attention_probs_dropout_prob=0.0)
     model = transformers.BertForMaskedLM(cfg)
     specs = {**HOOK_SET, "norm": {**HOOK_SET["norm"], "optional": True}}
-    report = validate(model, specs, torch.randint(0, 50, (2, 8)), torch.optim.SGD(model.parameters(), lr=0.1))
+    report = check_on_batch(model, specs, torch.randint(0, 50, (2, 8)), torch.optim.SGD(model.parameters(), lr=0.1))
     assert report.ok, report.errors
     rows = {r["spec"]: r for r in report.rows}
     assert rows["attn"]["targets"] == ["bert.encoder.layer.0.attention.self", "bert.encoder.layer.1.attention.self"]
@@ -165,8 +165,8 @@ def test_bert_resolves_the_same_hook_set_and_its_missing_norm_is_optional():
 
 
 def test_the_gpt_models_attention_name_on_gpt2_names_the_alias_and_the_shipped_set_uses_it():
-    """Issue 27.7: `model=hf hooks=ablate_attn_eval` failed with "target 'blocks.0.attn' matches no module of
-    GPT2LMHeadModel" and no suggestion."""
+    """`blocks.0.attn` on GPT2LMHeadModel names the alias to write; `model=hf hooks=ablate_attn_eval` (whose
+    set is written with the alias) attaches."""
     from importlib import resources
 
     import yaml

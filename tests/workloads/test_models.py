@@ -1,4 +1,4 @@
-"""hookexp.models: GPT against a forward pass written by hand on the same weights, its names, causality and
+"""hookexp.workloads.models: GPT against a forward pass written by hand on the same weights, its names, causality and
 padding; hf models from a config and their errors; every model's argument errors; every conf/model option
 built on data it fits."""
 

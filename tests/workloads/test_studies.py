@@ -203,10 +203,10 @@ def test_a_run_of_an_older_version_resumes_though_the_schema_gained_keys():
     """Keys added to a group since a run started are composed at their defaults on resume: not a change."""
     from hookexp.run.checkpoint import config_changes
 
-    saved = {"trainer": {"epochs": 10}, "model": {"_target_": "hookexp.models.GPT", "n_layer": 2},
+    saved = {"trainer": {"epochs": 10}, "model": {"_target_": "hookexp.workloads.models.GPT", "n_layer": 2},
              "hooks": {"a": {"target": "fc", "kind": "grad"}}}
     current = {"trainer": {"epochs": 10, "eval_every_epochs": 1, "stop_when": None},
-               "model": {"_target_": "hookexp.models.GPT", "n_layer": 2, "init": "gpt2"},
+               "model": {"_target_": "hookexp.workloads.models.GPT", "n_layer": 2, "init": "gpt2"},
                "hooks": {"a": {"target": "fc", "kind": "grad", "optional": False}, "b": {"target": "fc"}}}
     assert config_changes(saved, current) == ["hooks.b: '<unset>' -> {'target': 'fc'}"]  # a new spec still counts
     assert config_changes(current, saved) == ["hooks.a.optional: False -> '<unset>'",

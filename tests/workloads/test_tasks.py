@@ -129,7 +129,7 @@ class OwnLoss(nn.Module):
 
 
 def test_task_inputs_map_shifted_batch_entries_to_forward_and_model_loss_takes_the_returned_loss():
-    """Issue 27.22: the loss is the model's own, computed from the shifted next tokens, exactly."""
+    """The loss is the model's own, computed from the shifted next tokens, exactly."""
     torch.manual_seed(0)
     model, tokens = OwnLoss(), torch.randint(0, 10, (3, 9))
     task = CausalLM(inputs={"idx": "input_ids[:, :-1]", "targets": "input_ids[:, 1:]"}, model_loss=1)

@@ -36,8 +36,9 @@ def finite_parameters(model: torch.nn.Module) -> bool:
     return bool(torch.stack([n.float() for n in torch._foreach_norm(local, float("inf"))]).isfinite().all())
 
 
-class Checkpointer(ShardedFormat, StopSignals):
-    """Saves and restores a run; turns SIGTERM/SIGINT into a flag the loop checks after each step.
+class Checkpointer(ShardedFormat):
+    """Saves and restores a run; ``stops`` (:class:`StopSignals`) is the flag SIGTERM/SIGINT set, which the loop
+    checks after each step.
 
     ``track(name=obj)`` registers what goes into a checkpoint (anything with state_dict/load_state_dict).
     ``ranks``: under FSDP (``ranks.sharded``) the checkpoint is a directory every rank writes its shards into;
@@ -57,8 +58,7 @@ class Checkpointer(ShardedFormat, StopSignals):
         self.main = self.ranks.is_main  # only rank 0 writes the files of a one-file checkpoint
         self.source = self._resolve(resume)
         self.objects: dict[str, Stateful | None] = {}
-        self.signum: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
+        self.stops = StopSignals()
         self._restored: set[str] = set()
         self.saved_step: int | None = None
 

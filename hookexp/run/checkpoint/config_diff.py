@@ -8,27 +8,10 @@ from typing import Any
 
 from hookexp.run.rundir import RESUMABLE_CHANGES
 
-# the import paths issue 26.5 moved: a checkpoint written before the move names the old ones in its _target_s,
-# which still import (the modules at the old paths are the moved ones), so they are no difference
-MOVED = {"hookexp.tasks.": "hookexp.workloads.tasks.", "hookexp.models.": "hookexp.workloads.models.",
-         "hookexp.data.": "hookexp.workloads.data.", "hookexp.schedules.": "hookexp.workloads.schedules.",
-         "hookexp.sinks.": "hookexp.run.sinks.", "hookexp.plots.": "hookexp.analysis.plots.",
-         "hookexp.report.": "hookexp.analysis.report.", "hookexp.ablate.": "hookexp.analysis.ablate."}
-
 
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def moved(value: Any) -> Any:
-    """A dotted path as it reads since the move (``hookexp.models.GPT`` -> ``hookexp.workloads.models.GPT``);
-    any other value as it is."""
-    if isinstance(value, str):
-        for old, new in MOVED.items():
-            if value.startswith(old):
-                return new + value[len(old):]
-    return value
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -45,6 +28,6 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any], prefix:
         a, b = saved.get(k, "<unset>"), current.get(k, "<unset>")
         if isinstance(a, Mapping) and isinstance(b, Mapping) and a and b:
             out += config_changes(a, b, key + ".")
-        elif moved(a) != moved(b):
+        elif a != b:
             out.append(f"{key}: {_short(a)} -> {_short(b)}")
     return out

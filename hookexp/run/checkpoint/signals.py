@@ -10,21 +10,22 @@ from typing import Any
 
 
 class StopSignals:
-    """Turns SIGTERM/SIGINT into a flag; mixed into :class:`~hookexp.run.checkpoint.Checkpointer`, which sets
-    ``signum = None`` and ``_previous_handlers = {}``."""
+    """Turns SIGTERM/SIGINT into a flag: inside :meth:`catching`, the first signal sets :attr:`signum`."""
 
-    signum: int | None
-    _previous_handlers: dict[int, Any]
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signum = self.signum or signum
 
     @property
-    def stop_requested(self) -> bool:
+    def requested(self) -> bool:
+        """Whether a stop signal came."""
         return self.signum is not None
 
     @contextlib.contextmanager
-    def signals(self) -> Iterator[None]:
+    def catching(self) -> Iterator[None]:
         """SIGTERM and SIGINT set a flag for the whole block — the loop and the shutdown after it — so that a
         signal during shutdown cannot cut the summary or the W&B finish short (main thread only)."""
         if threading.current_thread() is threading.main_thread():

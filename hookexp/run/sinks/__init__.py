@@ -9,7 +9,7 @@ when they are used.
 Modules: :mod:`~hookexp.run.sinks.base` (the :class:`Sink` protocol, :class:`RunInfo`),
 :mod:`~hookexp.run.sinks.files` (the local files), :mod:`~hookexp.run.sinks.wandb`,
 :mod:`~hookexp.run.sinks.tensorboard`, :mod:`~hookexp.run.sinks.backends` (choosing the backend) and
-:mod:`~hookexp.run.sinks.fanout` (:class:`Sinks`). ``hookexp.sinks`` is the old path and keeps working.
+:mod:`~hookexp.run.sinks.fanout` (:class:`Sinks`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def backend_class(cfg: Mapping[str, Any]) -> type | None:
             raise
         raise ConfigError(f"cannot import the logger backend {target!r} ({str(e).splitlines()[0]}). Use logger=wandb, "
                           "logger=tensorboard or logger=none, or the import path of a class that implements "
-                          "hookexp.sinks.Sink (local files are always written).", key="logger._target_") from None
+                          "hookexp.run.sinks.Sink (local files are always written).", key="logger._target_") from None
 
 
 def check_logger(cfg: Mapping[str, Any]) -> None:

@@ -19,7 +19,8 @@ log = logging.getLogger("hookexp.sinks")
 
 
 def _tensorboard_missing(error: BaseException | str = "") -> MissingExtraError:
-    return MissingExtraError("logger=tensorboard (hookexp.sinks.TensorBoardSink)", "tensorboard", "tensorboard", error)
+    return MissingExtraError("logger=tensorboard (hookexp.run.sinks.TensorBoardSink)", "tensorboard", "tensorboard",
+                             error)
 
 
 class TensorBoardSink:

@@ -47,5 +47,5 @@ class PadCollate:
 
 def pad_collate(pad_id: int = 0, label_pad: int = -100) -> PadCollate:
     """The collate function for variable-length token mappings (``data.collate_fn: {_target_:
-    hookexp.data.pad_collate, pad_id: 0}``); see :class:`PadCollate`."""
+    hookexp.workloads.data.pad_collate, pad_id: 0}``); see :class:`PadCollate`."""
     return PadCollate(pad_id, label_pad)

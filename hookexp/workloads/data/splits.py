@@ -53,10 +53,10 @@ class Splits:
     collate_fn: Callable | None = None
 
 
-ACCEPTED = ("a hookexp.data.Splits(train, val, info); a pair (train, val) of data sets; a mapping with 'train' and "
-            "'val' or 'validation' (a HF DatasetDict qualifies); or one map-style data set, which is split by "
-            "data.val_fraction. A data set is a torch Dataset or IterableDataset, a HF datasets.Dataset, or a list "
-            "of examples")
+ACCEPTED = ("a hookexp.workloads.data.Splits(train, val, info); a pair (train, val) of data sets; a mapping "
+            "with 'train' and 'val' or 'validation' (a HF DatasetDict qualifies); or one map-style data set, which "
+            "is split by data.val_fraction. A data set is a torch Dataset or IterableDataset, a HF datasets.Dataset, "
+            "or a list of examples")
 
 
 def as_splits(obj: Any, val_fraction: float = 0.2, seed: int = 0, key: str = "data.dataset") -> Splits:
@@ -83,7 +83,8 @@ def as_splits(obj: Any, val_fraction: float = 0.2, seed: int = 0, key: str = "da
         return _pair(obj[0], obj[1], key)
     if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(o, torch.Tensor) for o in obj):
         raise ConfigError(f"returned a pair of tensors {_describe(obj)}, read as (train, val) data sets. For inputs "
-                          "and labels return hookexp.data.TensorSet(x, y) (or torch.utils.data.TensorDataset(x, y)), "
+                          "and labels return hookexp.workloads.data.TensorSet(x, y) (or "
+                          "torch.utils.data.TensorDataset(x, y)), "
                           f"which is split by data.val_fraction. Accepted: {ACCEPTED}.", key=key)
     if _is_dataset(obj):
         return _split_one(obj, val_fraction, seed, key)

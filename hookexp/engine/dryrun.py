@@ -1,4 +1,4 @@
-"""Check hook specs on one real batch before training: ``validate()`` and ``+dry_run=true``.
+"""Check hook specs on one real batch before training: ``check_on_batch()`` and ``+dry_run=true``.
 
 Static checks (names, kinds, arguments, aliases, frozen parameters, in-place modules next to full
 backward hooks) already run in ``attach``. What only a real forward/backward can show is checked here,
@@ -73,7 +73,7 @@ def hooks_summary(rows: list[Mapping[str, Any]]) -> str:
                      + ("" if r["enabled"] else " (disabled)") for r in rows)
 
 
-def _first_tensor(output: Any) -> torch.Tensor:
+def _output_tensor(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping):
@@ -83,7 +83,8 @@ def _first_tensor(output: Any) -> torch.Tensor:
     for _, v in values.elements(output):
         if isinstance(v, torch.Tensor):
             return v
-    raise TypeError(f"the model returned {type(output).__name__} without a tensor; pass validate(..., loss_fn=...)")
+    raise TypeError(f"the model returned {type(output).__name__} without a tensor; "
+                    "pass check_on_batch(..., loss_fn=...)")
 
 
 def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, task: bool) -> torch.Tensor:
@@ -94,7 +95,7 @@ def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, 
         return loss_fn(output, target) if target is not None else loss_fn(output)
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
-    out = _first_tensor(output)
+    out = _output_tensor(output)
     if target is not None and not target.is_floating_point():
         return F.cross_entropy(out, target)
     if target is not None:
@@ -108,9 +109,9 @@ def _forward(model: nn.Module, batch: Any) -> Any:
     return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
 
-def validate(model: nn.Module, specs: SpecsLike, example_batch: Any, optimizer: torch.optim.Optimizer | None = None,
-             loss_fn: Callable[..., torch.Tensor] | None = None, *,
-             forward: Callable[[nn.Module, Any], Any] | None = None) -> ValidationReport:
+def check_on_batch(model: nn.Module, specs: SpecsLike, example_batch: Any,
+                   optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                   *, forward: Callable[[nn.Module, Any], Any] | None = None) -> ValidationReport:
     """Run one forward/backward on ``example_batch`` with the specs attached.
 
     ``example_batch``: ``x``, ``(x, y)`` or a mapping of keyword inputs (``model(**batch)``). A task's pair,

@@ -1,4 +1,4 @@
-"""validate() and +dry_run=true: what only a real batch can show, found before training."""
+"""check_on_batch() and +dry_run=true: what only a real batch can show, found before training."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import run_cli
 from test_kinds import Probe
 from torch import nn
 
-from hookexp import validate
+from hookexp import check_on_batch
 
 
 def batch():
@@ -20,7 +20,7 @@ def batch():
 
 def test_full_backward_hook_before_an_inplace_relu_is_refused_with_the_reason():
     model = Probe()
-    report = validate(model, {"bw": {"target": "embed", "kind": "backward", "transform": "identity"}}, batch())
+    report = check_on_batch(model, {"bw": {"target": "embed", "kind": "backward", "transform": "identity"}}, batch())
     assert not report.ok
     (error,) = report.errors
     assert error.startswith("hooks.bw.kind: an in-place op modified the output of 'embed' (kind 'backward') after "
@@ -40,7 +40,7 @@ def test_report_rows_calls_tied_windows_and_never_fired():
         "ps": {"target": "*.bias", "kind": "pre_step", "transform": "clamp", "args": {"max": 1.0}},
         "off": {"target": "head", "kind": "forward", "transform": "zero", "enabled": False},
     }
-    report = validate(model, specs, batch(), opt)
+    report = check_on_batch(model, specs, batch(), opt)
     assert report.ok, report.errors
     rows = {r["spec"]: r for r in report.rows}
     assert rows["twice"]["calls_per_step"] == 2
@@ -57,13 +57,13 @@ def test_report_rows_calls_tied_windows_and_never_fired():
 
 def test_never_fires_says_why():
     model = nn.Sequential(nn.Identity(), nn.Linear(6, 3))
-    report = validate(model, {"n": {"target": "0", "kind": "node", "transform": "identity"}}, batch())
+    report = check_on_batch(model, {"n": {"target": "0", "kind": "node", "transform": "identity"}}, batch())
     assert report.rows[0]["warnings"] == ["never fired on this batch: output has no grad_fn"]
 
 
 def test_transform_errors_are_reported_with_spec_and_target():
     spec = {"t": {"target": "head", "kind": "forward", "transform": {"_target_": "user_transforms.reshape"}}}
-    report = validate(Probe(), spec, batch())
+    report = check_on_batch(Probe(), spec, batch())
     (error,) = report.errors
     assert error.startswith("hooks.t.transform: transform 'user_transforms.reshape' changed the tensor on "
                             "target 'head' (kind 'forward'): expected shape (4, 3)")
@@ -74,7 +74,7 @@ def test_the_model_is_left_as_found():
     model.eval()
     before = copy.deepcopy(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    validate(model, {"z": {"target": "*", "kind": "pre_step", "transform": "add", "args": {"value": 1.0}}},
+    check_on_batch(model, {"z": {"target": "*", "kind": "pre_step", "transform": "add", "args": {"value": 1.0}}},
              batch(), opt)
     assert not model.training
     assert all(p.grad is None for p in model.parameters())
@@ -116,7 +116,7 @@ def test_a_tasks_forward_and_loss_take_the_whole_batch():
     def loss(out, b):
         return nn.functional.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten())
 
-    report = validate(model, {"f": {"target": "inner", "kind": "forward", "index": "pooled"}}, batch,
+    report = check_on_batch(model, {"f": {"target": "inner", "kind": "forward", "index": "pooled"}}, batch,
                       forward=forward, loss_fn=loss)
     assert report.ok, report.errors
     assert seen == [["labels", "x"]] and report.rows[0]["calls_per_step"] == 1
