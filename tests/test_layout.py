@@ -17,9 +17,9 @@ LAYERS = [
     ("hookexp.errors",),
     ("hookexp.goals",),
     ("hookexp.engine",),
-    ("hookexp.telemetry",),
+    ("hookexp.config",),  # the config schema and its checks (hook specs' fields from hookexp.engine.schema)
+    ("hookexp.telemetry",),  # takes the stats and guard configs
     ("hookexp.workloads",),  # tasks, models, data, schedules
-    ("hookexp.config",),  # the run's config schema (hook specs' fields from hookexp.engine.schema)
     ("hookexp.run.sinks", "hookexp.analysis.plots"),  # the trainer writes through the sinks and draws a plot
     ("hookexp.run",),
     ("hookexp.analysis",),  # report, ablate

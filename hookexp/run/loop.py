@@ -3,7 +3,7 @@
 :func:`dry_run` checks the hooks on one batch and trains nothing.
 
 Building (seed, device, data, model, task, optimizer, schedule) is :mod:`hookexp.run.build`; saving and
-restoring the loop state is :mod:`hookexp.run.checkpoint`; what gets measured is :mod:`hookexp.run.observers`.
+restoring the loop state is :mod:`hookexp.run.checkpoint`; what gets measured is :mod:`hookexp.telemetry.assemble`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
         ckpt.track(model=parts.model, optimizer=parts.optimizer)
         if resumed is not None:  # the weights before the hooks attach (see Checkpointer.restore_weights)
             ckpt.restore_weights(resumed)
-        trainer = Trainer(cfg, parts, ckpt, resumed)
-    trainer.started = started
+        trainer = Trainer(cfg, parts, ckpt, resumed, started)
     return trainer.fit()
 
 
