@@ -78,7 +78,7 @@ def test_a_checkpoint_written_before_the_move_resumes(tmp_path):
     from conftest import config, read_jsonl
 
     from hookexp.run.checkpoint import atomic_save, config_changes, read_checked
-    from hookexp.run.loop import train
+    from hookexp.run.loop import run_job as train
 
     train(config("trainer.max_steps=2", "trainer.checkpoint_every=2"), tmp_path)
     last = tmp_path / "checkpoints" / "last.pt"

@@ -1,4 +1,4 @@
-"""A run, wired: :func:`train` sets up the ranks, the checkpoint and the parts, then hands them to the
+"""A run, wired: :func:`run_job` sets up the ranks, the checkpoint and the parts, then hands them to the
 :class:`~hookexp.run.trainer.Trainer` (the step, the log step, validation, checkpoints, shutdown).
 :func:`dry_run` checks the hooks on one batch and trains nothing.
 
@@ -26,11 +26,11 @@ from hookexp.run.rundir import CLI, Launch
 from hookexp.run.sinks import check_logger, write_json_atomic
 from hookexp.run.trainer import Trainer, hook_specs, summarize
 
-__all__ = ["Trainer", "check_hooks", "dry_run", "hook_specs", "preflight", "summarize", "train"]
+__all__ = ["Trainer", "check_hooks", "dry_run", "hook_specs", "preflight", "run_job", "summarize"]
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, launch: Launch = CLI
-          ) -> dict[str, Any]:
+def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, launch: Launch = CLI
+            ) -> dict[str, Any]:
     """Run the job ``cfg`` describes into ``run_dir``; returns the summary (final and best metrics). ``launch``:
     how it was started (the command line, or :func:`hookexp.run.train`), for the fixes its errors name."""
     started = time.perf_counter()

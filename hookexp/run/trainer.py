@@ -1,6 +1,6 @@
 """The trainer: a run's step, log step, validation, checkpoints and shutdown. Read :meth:`Trainer.fit` first.
 
-:func:`hookexp.run.loop.train` wires a run (ranks, checkpoint, parts) and hands it to a :class:`Trainer`.
+:func:`hookexp.run.loop.run_job` wires a run (ranks, checkpoint, parts) and hands it to a :class:`Trainer`.
 Costs: a step that does not log does a forward, a backward and an update, plus one on-device add of the
 task's metric sums; a log step (every ``stats.every`` steps, the last, and every step of a spike's window)
 adds the statistics and one device-to-host copy. ``trainer/step`` in every record is the 0-based index of
@@ -242,7 +242,7 @@ class Trainer:
             self.reached = step
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
+    def validation_metrics(self) -> dict[str, float]:
         """The task's metrics over the validation set (summed over ranks), as ``val/<metric>``."""
         parts = self.parts
         batches = parts.loaders.validation()
@@ -269,7 +269,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validate after the last step's update and log it under that step."""
-        val = self.validate()
+        val = self.validation_metrics()
         self.loop.evaluated = self.loop.step - 1
         if val:
             self.sinks.log({**val, "epoch": self.loop.epoch}, self.loop.step - 1)

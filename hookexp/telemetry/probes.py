@@ -1,36 +1,11 @@
-"""Probes: what the statistics describe, captured by hooks attached once and acting on log steps only.
+"""Probes: what the statistics describe (``stats.grads``, ``activations``, ``params``, ``updates``,
+``optimizer``, ``group_by``), captured by hooks attached once and acting on log steps only.
 
-A :class:`Probes` is built right after the hook specs are attached, before DDP wrapping and compiling,
-and lives as long as they do. While ``active`` is off (steps that do not log) its hooks return at once;
-while it is on they keep what the log step describes:
-
-- ``grads``: each matched parameter's ``.grad`` right before ``optimizer.step()``: after accumulation,
-  the DDP all-reduce, the AMP unscale and the ``pre_step`` specs, before ``trainer.clip_grad_norm``
-  (:class:`~hookexp.telemetry.observer.Observers` calls the observers in order from one optimizer step
-  pre-hook registered after the specs' own: the statistics, then the clip);
-- ``activations``: the output of each matched module in a training forward (its first tensor when it
-  returns a tuple), through plain forward hooks (:func:`hookexp.engine.output_hooks`: no spec, nothing
-  counted or listed) switched on for log steps; they are attached with the probes, so torch.compile sees
-  them from the start: hooks added after compiling are ignored by torch;
-- ``params``: the weights after the update; ``updates``: the update (weights after minus before) and its
-  norm over the weights' norm before it; ``optimizer``: the norm of every optimizer state tensor shaped
-  like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``);
-- ``group_by``: a ``re:`` pattern; the parameters whose names it matches from the start are grouped by
-  the matched text (``re:^blocks\\.\\d+`` gives ``blocks.0``, ``blocks.1``, ...), and each group also gets
-  the norm of its members' gradients, weights and updates together.
-
-:meth:`Probes.pending` describes the gradients and activations in ONE
-:class:`~hookexp.telemetry.stats.TensorStats` call (one all-gather a log step under DDP/FSDP: activations
-are each rank's part of the batch, FSDP's gradients are combined from their shards) and takes the norms of
-the weights, updates and optimizer states, which need nothing more, with one ``torch._foreach_norm``
-(:func:`~hookexp.telemetry.stats.norms`: no float64 copy of six model-sized tensors; one all-reduce under
-FSDP). Nothing is read back: :func:`~hookexp.telemetry.readback.read` does that, with the other producers'
-values.
-Keys: ``grad/<param>/<stat>`` (norm, mean, std, min, max, frac_zero, frac_neg), ``grad/global_norm``,
-``act/<module>/{mean,std,abs_mean,kurtosis,frac_zero}`` (``abs_mean``: mean |x|; ``kurtosis``: Pearson's,
-E[(x - mean)^4] / std^4 with population moments, 3 for a normal distribution),
-``param/<param>/norm``, ``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``,
-``{grad,param,update}/group/<group>/norm``, and ``grad/<param>/hist`` / ``act/<module>/hist``.
+A log step's gradients and activations are described in ONE :class:`~hookexp.telemetry.stats.TensorStats` call
+and the weight, update and optimizer-state norms with one ``torch._foreach_norm``; nothing is read back here.
+Keys: ``grad/<param>/<stat>``, ``grad/global_norm``, ``act/<module>/<stat>``, ``param/<param>/norm``,
+``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``, ``{grad,param,update}/group/<group>/norm``,
+``.../hist``. When each is captured, and the costs: docs/internals.md, "Probes".
 """
 
 from __future__ import annotations

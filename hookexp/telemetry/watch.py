@@ -1,38 +1,12 @@
-"""``hookexp.watch``: the statistics the hookexp trainer logs, in any training loop, with no call in the loop.
+"""``hookexp.watch``: the statistics the hookexp trainer logs, in any training loop, with no call in the loop::
 
-::
+    with hookexp.watch(model, optimizer, every=10, log=wandb.run):   # or log=lambda metrics, step: ...
+        ...                                                          # your loop, unchanged
 
-    import hookexp
-    w = hookexp.watch(model, optimizer, every=10, log=wandb.run)        # or log=lambda metrics, step: ...
-    for x, y in loader:                                                # your loop, unchanged
-        loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
-    w.remove()                                                         # or: with hookexp.watch(...):
-
-The drop-in replacement for ``wandb.watch(model, log="gradients")``: the same probes as the trainer
-(:class:`~hookexp.telemetry.probes.Probes`: gradients right before ``optimizer.step()``, activations,
-weights, updates, optimizer state, group norms, histograms), and optionally hook specs, whose effects are
-measured on the same steps. Everything runs from optimizer hooks: after ``optimizer.step()`` of a log step
-the probes' values are read back in one copy and handed to ``log(metrics, step)``, ``step`` being the
-0-based index of the optimizer step they describe (``trainer/step``); then the next step's probes are
-switched on or off. ``step`` counts the ``optimizer.step()`` calls that ran: one that fp16's GradScaler
-skips runs no optimizer hook and is not counted, unless the loop says where it is with :meth:`Watch.sync`
-(the callbacks do, from the loop's ``global_step``). A W&B run (anything with ``.log``) gets the scalars,
-``trainer/step`` and the histograms as ``wandb.Histogram``; a callable gets one dict whose ``.../hist`` keys
-hold ``(counts, edges)``.
-Under DDP/FSDP every rank must watch (activations and sharded tensors are combined over the ranks);
-give ``log`` on rank 0 only, or let it check the rank.
-
-``spike={"metric": "grad/global_norm", ...}`` (the trainer's ``guard.spike`` keys) watches a logged metric for
-spikes, with first-divergence forensics (:mod:`hookexp.telemetry.forensics`, ``forensics=`` the trainer's
-``guard.forensics`` keys, or False): each spike's row, with the targets ranked by the step each left its range
-(``first``), is appended to :attr:`Watch.spikes`, its heatmap written to ``forensics_dir`` (default: the W&B
-run's directory, else none) and logged to a W&B run; :meth:`Watch.report` asks by hand (a NaN your loop caught).
-
-``gns=True`` adds the gradient noise scale (:mod:`hookexp.telemetry.gns`, ``gns/...`` keys): its small
-batches are the backward passes between two ``optimizer.step()`` calls (gradient accumulation, each loss
-divided by their number), times the DDP ranks; the samples per micro-batch are measured from each training
-forward of ``model`` (the leading dimension of its first tensor argument) unless ``gns_batch_size`` gives
-them; ``gns_ema`` smooths; ``grad_scale`` (a callable) gives fp16's loss scale when the loop scales its losses.
+The same observers as the trainer (:func:`~hookexp.telemetry.assemble.build_observers`, from a
+:class:`~hookexp.config.StatsConfig` and :class:`~hookexp.config.GuardConfig`), driven from optimizer hooks;
+``log(metrics, step)`` gets a log step's values, ``step`` the 0-based index of the optimizer step described.
+Steps, fp16, DDP, spikes, forensics and the noise scale: docs/statistics.md and docs/internals.md, "watch()".
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
 from hookexp.errors import ConfigError, NonFiniteError
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.telemetry.forensics import Forensics, Target, draw
 from hookexp.telemetry.observer import Observers
 

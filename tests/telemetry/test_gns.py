@@ -20,7 +20,7 @@ from hookexp.run import compose
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.telemetry.gns import GradientNoiseScale
 from hookexp.telemetry.observer import Observers
 

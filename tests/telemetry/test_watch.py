@@ -18,7 +18,7 @@ from hookexp.run import compose
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 
 STEPS, EVERY = 7, 2  # the last step (6) is a log step of both
 STATS = ["stats.activations=relu*", "stats.params=*", "stats.updates=*", "stats.optimizer=*",
