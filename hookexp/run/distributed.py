@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from hookexp.config import TrainerConfig
 from hookexp.engine.schema import spec_name
 from hookexp.errors import ConfigError, HookCompatibilityError, did_you_mean
 from hookexp.run import launchers
@@ -132,7 +133,7 @@ def resolve_strategy(strategy: str, world_size: int) -> str:
     return strategy
 
 
-def setup(device: torch.device, strategy: str = "auto") -> Dist:
+def setup(device: torch.device, strategy: str = TrainerConfig.strategy) -> Dist:
     """Join the process group when launched by torchrun (or by submitit with several SLURM tasks); one process
     otherwise. ``ddp`` and ``fsdp`` in a single process train in a process group of one rank (FSDP on one GPU,
     for instance).

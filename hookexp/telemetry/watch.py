@@ -218,7 +218,7 @@ STATS_SETTINGS = tuple(RENAMED.get(f.name, f.name) for f in dataclasses.fields(S
 OPTIONS = ("hooks", "step", "gns_batch_size", "grad_scale", "forensics_dir")
 
 
-def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, log: Any = None,
+def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = StatsConfig.every, log: Any = None,
           **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
     docstring. ``settings``: the trainer's ``stats`` keys (grads, activations, params, updates, optimizer_state
