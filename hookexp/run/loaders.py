@@ -66,6 +66,12 @@ class EpochSampler(Sampler[int]):
         return iter(self.indices()[self.start:])
 
 
+def no_batch() -> ConfigError:
+    """A training set that gave no batch in a whole epoch (the preflight and the loop raise it)."""
+    return ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable one that "
+                       "yields nothing). Check the data factory.", key="data.dataset")
+
+
 def seed_worker(worker_id: int) -> None:
     """In a worker process: leave SIGTERM/SIGINT to the main process (SLURM and Ctrl-C signal the whole process
     group; a worker that dies of it kills the run instead of letting it checkpoint), and seed python's and numpy's

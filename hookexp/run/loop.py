@@ -21,7 +21,7 @@ from hookexp.errors import ConfigError, HookCheckError
 from hookexp.run import distributed
 from hookexp.run.build import Parts, build, pick_device
 from hookexp.run.checkpoint import Checkpointer, require_writable
-from hookexp.run.loaders import to_device
+from hookexp.run.loaders import no_batch, to_device
 from hookexp.run.rundir import CLI, Launch
 from hookexp.run.sinks import check_logger, write_json_atomic
 from hookexp.run.trainer import Trainer, hook_specs, summarize
@@ -64,8 +64,7 @@ def preflight(parts: Parts) -> None:
     try:
         batch = next(parts.loaders.epoch(0), None)
         if batch is None:
-            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
-                              "one that yields nothing). Check the data factory.", key="data.dataset")
+            raise no_batch()
         batch = to_device(batch, parts.device)
         try:
             output = parts.task.forward(parts.model, batch)

@@ -26,13 +26,12 @@ from hookexp.analysis.plots import plot_grad_norms
 from hookexp.config import GuardConfig, StatsConfig, typed
 from hookexp.engine import HookHandle, attach
 from hookexp.engine.validate import hooks_summary
-from hookexp.errors import ConfigError
 from hookexp.goals import lower_is_better
 from hookexp.run import distributed
 from hookexp.run.build import Parts
 from hookexp.run.checkpoint import Checkpointer, LoopState
 from hookexp.run.checkpoint.config_diff import moved
-from hookexp.run.loaders import to_device
+from hookexp.run.loaders import no_batch, to_device
 from hookexp.run.manifest import build_manifest
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
@@ -189,8 +188,7 @@ class Trainer:
             self.meter.add(*task.sums(output, batch, loss))
             taken += 1
         if not taken and not loop.batch:
-            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
-                              "one that yields nothing). Check the data factory.", key="data.dataset")
+            raise no_batch()
         loop.batch += taken
         if not taken:
             return StepResult(taken, micro)
