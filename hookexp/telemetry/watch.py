@@ -68,8 +68,8 @@ class WatchOptions:
 
 class Watch:
     """What :func:`watch` returns: the observers of ``stats`` and ``guard`` (:func:`build_observers`, as the
-    trainer's), driven from optimizer hooks; :meth:`remove` takes them all away. ``key`` names a setting in
-    errors (``watch(<setting>=...)`` by default)."""
+    trainer's), driven from optimizer hooks; :meth:`remove` takes them all away. Errors name a setting as
+    watch's keyword (``watch(<setting>=...)``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, stats: StatsConfig | None = None,
                  guard: GuardConfig | None = None, options: WatchOptions | None = None):
@@ -215,7 +215,7 @@ def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Ca
 
 
 STATS_SETTINGS = tuple(RENAMED.get(f.name, f.name) for f in dataclasses.fields(StatsConfig))
-OPTIONS = ("hooks", "step", "gns_batch_size", "grad_scale", "forensics_dir")
+OPTIONS = tuple(f.name for f in dataclasses.fields(WatchOptions) if f.name not in ("log", "before_hook", "forensics"))
 
 
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = StatsConfig.every, log: Any = None,
