@@ -3,7 +3,8 @@
 ``conf/config.yaml`` lists ``hookexp_schema`` first in its defaults, so the composed config is typed:
 ``trainer.epoch=3`` (a misspelled key) or ``trainer.epochs=abc`` (a wrong type) fail before anything
 runs, with Hydra's message naming the key. Every default, and what it means, is written once: in the
-dataclasses below (their field comments are the documentation); a yaml option holds only what it changes.
+dataclasses below (their field comments are the documentation), each value check beside its field
+(``__post_init__``; :func:`typed` builds a checked group from a node); a yaml option holds only what it changes.
 ``model``, ``optim`` and ``data.dataset`` are ``_target_`` mappings for ``hydra.utils.instantiate``; their
 arguments are checked when instantiated, and a wrong one is reported by :mod:`hookexp.run.instantiate` with the
 constructor's real parameters.
