@@ -209,8 +209,8 @@ def test_no_name_is_defined_twice_in_run_telemetry_integrations_and_config():
     assert twice([*layer_files("run", "telemetry", "integrations", skip=DETECT), PACKAGE / "config.py"]) == {}
 
 
-@pytest.mark.xfail(strict=False, reason="lands with the engine split (parse_specs, _forward, _generator, REQUIRED, "
-                                        "_describe, _positive, _plain) and the forensics rewrite (Target, _local)")
+@pytest.mark.xfail(strict=False, reason="lands with the engine split (parse_specs, _forward, _generator, REQUIRED) "
+                                        "and the forensics rewrite (Target, _local)")
 def test_no_name_is_defined_twice_across_the_package():
     assert twice(sorted(PACKAGE.rglob("*.py"))) == {}
 
