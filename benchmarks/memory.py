@@ -22,7 +22,7 @@ from pathlib import Path
 import matplotlib
 from hydra import compose, initialize_config_module
 
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 
 matplotlib.use("Agg")
 import matplotlib.pyplot

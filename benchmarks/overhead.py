@@ -95,7 +95,7 @@ from hookexp import attach
 from hookexp.run.build import build, pick_device
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.run.precision import MixedPrecision
 
 # the causal-LM cases' text, fixed: the README of 2026-11-25 (58 KB), so that every table trains on the same text

@@ -129,7 +129,7 @@ def run(cfg: DictConfig) -> Any:
     apply_ablation(cfg)
     _sweep_defaults(cfg)
     from hookexp.run.build import build_task, logged_metrics  # torch is imported only once the config is checked
-    from hookexp.run.loop import dry_run, train
+    from hookexp.run.loop import dry_run, run_job
 
     # the sweep objective: a name the task does not log is refused before anything trains
     metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
@@ -137,7 +137,7 @@ def run(cfg: DictConfig) -> Any:
     log.info("run directory: %s", run_dir)
     if cfg.get("dry_run"):
         return dry_run(cfg, run_dir, overrides)
-    summary = train(cfg, run_dir, overrides)
+    summary = run_job(cfg, run_dir, overrides)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
         rundir.remove_unstarted(run_dir)  # torchrun: this rank's Hydra named its own directory; the run is rank 0's

@@ -3,7 +3,8 @@
 ``conf/config.yaml`` lists ``hookexp_schema`` first in its defaults, so the composed config is typed:
 ``trainer.epoch=3`` (a misspelled key) or ``trainer.epochs=abc`` (a wrong type) fail before anything
 runs, with Hydra's message naming the key. Every default, and what it means, is written once: in the
-dataclasses below (their field comments are the documentation); a yaml option holds only what it changes.
+dataclasses below (their field comments are the documentation), each value check beside its field
+(``__post_init__``; :func:`typed` builds a checked group from a node); a yaml option holds only what it changes.
 ``model``, ``optim`` and ``data.dataset`` are ``_target_`` mappings for ``hydra.utils.instantiate``; their
 arguments are checked when instantiated, and a wrong one is reported by :mod:`hookexp.run.instantiate` with the
 constructor's real parameters.
@@ -11,13 +12,16 @@ constructor's real parameters.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from hookexp.engine.schema import config_fields, help_list
+from hookexp.errors import ConfigError, did_you_mean
 
 # -- hook specs (engine): every field and default comes from hookexp.engine.schema.HookSpec, written once there.
 HookSpecConfig = make_dataclass("HookSpecConfig", config_fields(MISSING))
@@ -28,6 +32,14 @@ can be overridden (``hooks.clamp_conv.every=5``) and is type-checked at compose 
 """
 if not OmegaConf.has_resolver("hookexp_help"):  # the kind and alias lists of `python -m hookexp --help`
     OmegaConf.register_new_resolver("hookexp_help", help_list)
+
+
+def at_least(value: Any, least: int, key: str) -> None:
+    """A whole number of at least ``least``, or a :class:`ConfigError` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.", key=key)
+    if value < least:
+        raise ConfigError(f"must be at least {least}, got {value}.", key=key)
 
 
 @dataclass
@@ -70,6 +82,15 @@ class TrainerConfig:
     # state over the ranks; docs/scale.md, "Going past one machine")
     strategy: str = "auto"
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+
+    def __post_init__(self) -> None:
+        at_least(self.accumulate, 1, "trainer.accumulate")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"must be a positive norm (or null: no clipping), got {self.clip_grad_norm}.",
+                              key="trainer.clip_grad_norm")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"must be at least 1 (or null for torch's default), got {self.num_threads}.",
+                              key="trainer.num_threads")
 
 
 @dataclass
@@ -136,6 +157,13 @@ class StatsConfig:
     gns: bool = False
     gns_ema: float = 0.95  # the weight of the past in the moving averages of |G|^2 and tr(Sigma); 0: no smoothing
 
+    def __post_init__(self) -> None:
+        at_least(self.every, 1, "stats.every")
+        ema = self.gns_ema
+        if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
+            raise ConfigError(f"must be a number in [0, 1) (the weight of the past in the moving averages; 0: no "
+                              f"smoothing), got {ema!r}.", key="stats.gns_ema")
+
 
 @dataclass
 class LoggerConfig:
@@ -188,6 +216,28 @@ class HookexpConfig:
     # always maximizes. null: val/acc when the task logs it, else val/loss. A name the task does not log is
     # refused before the job trains, e.g. optimized_metric=val/loss or optimized_metric=val/acc_best.
     optimized_metric: Optional[str] = None  # noqa: UP045
+
+
+Typed = TypeVar("Typed")
+
+
+def typed(cls: type[Typed], node: Any, key: Callable[[str], str]) -> Typed:
+    """``node`` (a config node, a mapping or None) as the dataclass ``cls``, its checks run: a missing key takes
+    its default, an unknown one is refused with a did-you-mean (``key`` names a field in errors), and a field that
+    is itself a config dataclass is built the same way."""
+    if isinstance(node, cls):
+        return node
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for name in values:
+        if name not in fields:
+            raise ConfigError(f"unknown setting.{did_you_mean(name, fields)} The settings are: {', '.join(fields)}.",
+                              key=key(str(name)))
+    for name, f in fields.items():
+        inner = f.default_factory  # type: ignore[misc]
+        if name in values and dataclasses.is_dataclass(inner) and isinstance(values[name], (Mapping, DictConfig)):
+            values[name] = typed(inner, values[name], lambda sub, name=name: key(f"{name}.{sub}"))
+    return cls(**values)
 
 
 # Keys that may be added on the command line with `+key=value` (they are not part of the schema).

@@ -35,7 +35,7 @@ def hydra_conf():
 
 def config(*overrides: str):
     """The config ``python -m hookexp OVERRIDES`` composes, with W&B off and no progress bar: what the tests train
-    in process with :func:`hookexp.run.loop.train`."""
+    in process with :func:`hookexp.run.loop.run_job`."""
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):

@@ -47,7 +47,7 @@ def test_a_model_that_computes_its_own_loss_trains_as_the_readme_shows(tmp_path:
     from conftest import HELPERS, TESTS, read_jsonl
     from hydra import compose, initialize_config_module
 
-    from hookexp.run.loop import train
+    from hookexp.run.loop import run_job as train
 
     text = section(MODELS, "A model that computes its own loss")
     files = {body.splitlines()[0][2:].strip(): body for lang, body in blocks(text) if lang == "yaml"}

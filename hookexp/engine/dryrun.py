@@ -73,7 +73,8 @@ def hooks_summary(rows: list[Mapping[str, Any]]) -> str:
                      + ("" if r["enabled"] else " (disabled)") for r in rows)
 
 
-def _output_tensor(output: Any) -> torch.Tensor:
+def _output_for_loss(output: Any) -> torch.Tensor:
+    """The tensor a default loss is taken of: the output, its loss or logits entry, or its first tensor."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping):
@@ -95,7 +96,7 @@ def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, 
         return loss_fn(output, target) if target is not None else loss_fn(output)
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
-    out = _output_tensor(output)
+    out = _output_for_loss(output)
     if target is not None and not target.is_floating_point():
         return F.cross_entropy(out, target)
     if target is not None:

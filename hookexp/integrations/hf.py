@@ -13,12 +13,13 @@ that means for ``grad/*`` and ``pre_step`` specs. ``guard=`` adds the spike reco
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hookexp.errors import MissingExtraError
 from hookexp.telemetry.readback import split_histograms
-from hookexp.telemetry.watch import Watch, as_logger, settings_from
+from hookexp.telemetry.watch import Watch, as_logger, callback_settings
 
 try:
     from transformers import TrainerCallback
@@ -31,7 +32,7 @@ class HookexpCallback(TrainerCallback):
     def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None, log: Any = None,
                  guard: Mapping[str, Any] | None = None):
         self.hooks = hooks
-        self.stats = settings_from(stats, guard)
+        self.stats, self.guard, self.options = callback_settings(stats, guard)
         self.log = as_logger(log)
         self.watch: Watch | None = None
         self.spikes: list[dict[str, Any]] = []  # the spike recorder's rows (guard.spike), kept after the fit
@@ -40,11 +41,11 @@ class HookexpCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         self._remove()
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
-        settings = {"forensics_dir": Path(args.output_dir) / "forensics", **self.stats}
         scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler (stats.gns divides its scale out)
-        self.watch = Watch(model, inner, hooks=self.hooks, log=lambda metrics, step: self._log(state, metrics, step),
-                           step=state.global_step, grad_scale=(lambda: scaler._scale) if scaler is not None else None,
-                           **settings)
+        options = replace(self.options, hooks=self.hooks, log=lambda metrics, step: self._log(state, metrics, step),
+                          step=state.global_step, grad_scale=(lambda: scaler._scale) if scaler is not None else None,
+                          forensics_dir=Path(args.output_dir) / "forensics")
+        self.watch = Watch(model, inner, self.stats, self.guard, options)
         self.spikes = self.watch.spikes
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -13,12 +13,13 @@ torch's step pre-hooks); docs/library.md has the rest. ``guard=`` adds the spike
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hookexp.errors import MissingExtraError
 from hookexp.telemetry.readback import split_histograms
-from hookexp.telemetry.watch import Watch, as_logger, settings_from
+from hookexp.telemetry.watch import Watch, as_logger, callback_settings
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -31,7 +32,7 @@ class HookexpCallback(Callback):
     def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None,
                  guard: Mapping[str, Any] | None = None):
         self.hooks = hooks
-        self.stats = settings_from(stats, guard)
+        self.stats, self.guard, self.options = callback_settings(stats, guard)
         self.watch: Watch | None = None
         self.spikes: list[dict[str, Any]] = []  # the spike recorder's rows (guard.spike), kept after the fit
         self._optimizer: Any = None
@@ -40,12 +41,12 @@ class HookexpCallback(Callback):
         self._remove()
         optimizer = trainer.optimizers[0]
         self._optimizer = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
-        settings = {"forensics_dir": Path(trainer.default_root_dir) / "forensics", **self.stats}
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: the loss scale (stats.gns)
-        self.watch = Watch(pl_module, self._optimizer, hooks=self.hooks,
-                           log=lambda metrics, step: self._log(trainer, metrics, step), step=trainer.global_step,
-                           before_hook=False, grad_scale=(lambda: scaler._scale) if scaler is not None else None,
-                           **settings)
+        options = replace(self.options, hooks=self.hooks, log=lambda metrics, step: self._log(trainer, metrics, step),
+                          step=trainer.global_step, before_hook=False,
+                          grad_scale=(lambda: scaler._scale) if scaler is not None else None,
+                          forensics_dir=Path(trainer.default_root_dir) / "forensics")
+        self.watch = Watch(pl_module, self._optimizer, self.stats, self.guard, options)
         self.spikes = self.watch.spikes
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

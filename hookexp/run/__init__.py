@@ -38,7 +38,7 @@ def train(cfg: Any, run_dir: str | Path, *, resume: bool | str | Path | None = N
     They stand for the command line's ``resume=...`` and ``+overwrite=true`` (which ``cfg`` may hold as well)."""
     from omegaconf import open_dict
 
-    from hookexp.run.loop import train as train_job
+    from hookexp.run.loop import run_job
     from hookexp.run.rundir import PYTHON, claim
 
     run_dir = Path(run_dir)
@@ -47,4 +47,4 @@ def train(cfg: Any, run_dir: str | Path, *, resume: bool | str | Path | None = N
         with open_dict(cfg):
             cfg.resume = resume if isinstance(resume, bool) else str(resume)
     claim(run_dir.absolute(), cfg.get("resume"), overwrite or cfg.get("overwrite"), PYTHON)
-    return train_job(cfg, run_dir, launch=PYTHON)
+    return run_job(cfg, run_dir, launch=PYTHON)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from hookexp.config import TrainerConfig, typed
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.goals import Reach
 from hookexp.run.distributed import Dist, shard
@@ -78,10 +79,7 @@ def pick_device(name: str) -> torch.device:
 
 def set_threads(num_threads: int | None) -> None:
     """``trainer.num_threads``: torch's intra-op threads (None keeps torch's default, one per core)."""
-    if num_threads is not None:
-        if num_threads < 1:
-            raise ConfigError(f"must be at least 1 (or null for torch's default), got {num_threads}.",
-                              key="trainer.num_threads")
+    if num_threads is not None:  # checked by TrainerConfig
         torch.set_num_threads(num_threads)
 
 
@@ -193,6 +191,7 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_ste
 
 def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[str] | None = None) -> Parts:
     """Seed, then build data, model, task, optimizer and schedule on ``device``."""
+    typed(TrainerConfig, cfg.trainer, lambda name: f"trainer.{name}")  # its checks, before anything is built
     seed_everything(cfg.seed, cfg.repro.deterministic)
     set_threads(cfg.trainer.num_threads)
     task = build_task(cfg, overrides)
@@ -209,8 +208,6 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
         model = model.to(device)
     optimizer = build_optimizer(cfg, model, overrides)
     accumulate = cfg.trainer.accumulate
-    if accumulate < 1:
-        raise ConfigError(f"must be at least 1, got {accumulate}.", key="trainer.accumulate")
     total_steps, limit = loaders.total_steps(cfg.trainer.epochs, cfg.trainer.max_steps, accumulate)
     scheduler = build_scheduler(cfg, optimizer, total_steps, overrides)
     return Parts(model, optimizer, scheduler, task, loaders, OmegaConf.to_container(model_cfg),  # type: ignore[arg-type]

@@ -1,25 +1,9 @@
 """Training over several processes: the process group, the strategy, and what each strategy changes.
 
-``trainer.strategy`` says how the ranks share the model; ``torchrun`` (or submitit under SLURM, see
-:mod:`hookexp.run.launchers`) says how many ranks there are:
-
-- ``auto``: one process, or DDP when torchrun started several;
-- ``ddp``: DistributedDataParallel: every rank holds the whole model and the gradients are all-reduced;
-  ``grad`` and ``post_accumulate`` hooks see each rank's local gradient (before the all-reduce), ``pre_step``
-  hooks and the statistics the averaged one;
-- ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every module ``trainer.fsdp.wrap`` matches,
-  then on the root: parameters, gradients and optimizer state are sharded over the ranks (dimension 0).
-  ``fully_shard`` works in place and replaces every parameter by a sharded ``DTensor``, so it runs right
-  after the model is built: the optimizer, the hooks, the statistics and the clip are made on the sharded
-  parameters (attached to the sharded model, module and parameter names unchanged). Module kinds act as on the
-  unsharded model; ``post_accumulate`` and ``pre_step`` hooks see the reduced (averaged) gradient's shard, when
-  the engine hands them the local shard (:func:`engine_shards_gradients`; refused otherwise); ``grad`` hooks
-  would never fire (``Tensor.register_hook`` on a DTensor parameter) and are refused: :func:`refuse_kinds`.
-  Gradients are reduce-scattered on every micro-batch (no ``no_sync``: it would keep whole gradients on every
-  rank).
-
-gloo on CPU, nccl on CUDA (one GPU per rank). Loss and metrics are summed over ranks on log steps; only
-rank 0 writes the run's files and logs to W&B (under FSDP every rank writes its shard of a checkpoint).
+``trainer.strategy``: ``auto`` (one process, or DDP under torchrun), ``ddp`` (DistributedDataParallel: the
+gradients all-reduced) or ``fsdp`` (FSDP2 ``fully_shard`` on what ``trainer.fsdp.wrap`` matches, then the root,
+right after the model is built). gloo on CPU, nccl on CUDA; rank 0 writes the run's files. What each strategy
+changes for the hooks and the statistics: docs/internals.md, "Strategies", and docs/scale.md.
 """
 
 from __future__ import annotations
@@ -36,6 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from hookexp.config import TrainerConfig
 from hookexp.engine.schema import spec_name
 from hookexp.errors import ConfigError, HookCompatibilityError, did_you_mean
 from hookexp.run import launchers
@@ -148,7 +133,7 @@ def resolve_strategy(strategy: str, world_size: int) -> str:
     return strategy
 
 
-def setup(device: torch.device, strategy: str = "auto") -> Dist:
+def setup(device: torch.device, strategy: str = TrainerConfig.strategy) -> Dist:
     """Join the process group when launched by torchrun (or by submitit with several SLURM tasks); one process
     otherwise. ``ddp`` and ``fsdp`` in a single process train in a process group of one rank (FSDP on one GPU,
     for instance).

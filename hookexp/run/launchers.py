@@ -1,13 +1,6 @@
-"""Launchers: what starts the ranks of a run, and the checks that turn their failures into one paragraph.
-
-- ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-  ``MASTER_PORT``; :func:`hookexp.run.distributed.setup` joins the process group from them.
-- The submitit launcher (``hydra/launcher=slurm``) starts one SLURM task per GPU and sets SLURM's variables
-  instead: :func:`export_slurm_environment` maps them to torchrun's (rank ``SLURM_PROCID``, world size
-  ``SLURM_NTASKS``, local rank ``SLURM_LOCALID``, the master the first host of ``SLURM_JOB_NODELIST``, a port
-  drawn from the job id), with submitit's own reading of them.
-- :func:`check_launcher`: ``hydra/launcher=slurm`` on a machine without SLURM is one paragraph, not
-  submitit's traceback from inside Hydra.
+"""Launchers: what starts the ranks of a run (torchrun, or submitit under SLURM:
+:func:`export_slurm_environment` maps SLURM's variables to torchrun's), and :func:`check_launcher`, which turns
+``hydra/launcher=slurm`` on a machine without SLURM into one paragraph. Details: docs/internals.md, "Launchers".
 
 No torch here: the CLI imports this module before a run starts.
 """

@@ -1,14 +1,8 @@
 """Data loading: the ``data`` config -> training and validation batches that resume exactly.
 
-The order of an epoch is a function of the seed and the epoch alone (:class:`EpochSampler`: a
-permutation seeded with ``seed + epoch``, this rank's share of it), so the loop's position — epoch and
-batches consumed — is the whole state of the data order: a checkpoint stores two integers, and a resumed
-run starts the epoch's sampler at the next batch instead of loading and dropping the ones before it. Worker
-processes (``data.num_workers``) get seeds derived from (seed, epoch) too: the order does not depend on
-them, and a full run draws the same worker randomness every time.
-
-An iterable data set has no order to seed: it is read as it streams (under DDP it must shard itself), and
-a resumed run skips the batches it consumed by reading them.
+The order of an epoch is a function of the seed and the epoch alone (:class:`EpochSampler`), so a checkpoint
+stores the epoch and the batches consumed, and a resumed run starts mid-epoch without reading the batches
+before; an iterable data set skips them by reading. Details: docs/internals.md, "Data order".
 """
 
 from __future__ import annotations
@@ -70,6 +64,12 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices()[self.start:])
+
+
+def no_batch() -> ConfigError:
+    """A training set that gave no batch in a whole epoch (the preflight and the loop raise it)."""
+    return ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable one that "
+                       "yields nothing). Check the data factory.", key="data.dataset")
 
 
 def seed_worker(worker_id: int) -> None:

@@ -1,9 +1,9 @@
-"""A run, wired: :func:`train` sets up the ranks, the checkpoint and the parts, then hands them to the
+"""A run, wired: :func:`run_job` sets up the ranks, the checkpoint and the parts, then hands them to the
 :class:`~hookexp.run.trainer.Trainer` (the step, the log step, validation, checkpoints, shutdown).
 :func:`dry_run` checks the hooks on one batch and trains nothing.
 
 Building (seed, device, data, model, task, optimizer, schedule) is :mod:`hookexp.run.build`; saving and
-restoring the loop state is :mod:`hookexp.run.checkpoint`; what gets measured is :mod:`hookexp.run.observers`.
+restoring the loop state is :mod:`hookexp.run.checkpoint`; what gets measured is :mod:`hookexp.telemetry.assemble`.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from hookexp.errors import ConfigError, HookCheckError
 from hookexp.run import distributed
 from hookexp.run.build import Parts, build, pick_device
 from hookexp.run.checkpoint import Checkpointer, require_writable
-from hookexp.run.loaders import to_device
+from hookexp.run.loaders import no_batch, to_device
 from hookexp.run.rundir import CLI, Launch
 from hookexp.run.sinks import check_logger, write_json_atomic
 from hookexp.run.trainer import Trainer, hook_specs, summarize
 
-__all__ = ["Trainer", "check_hooks", "dry_run", "hook_specs", "preflight", "summarize", "train"]
+__all__ = ["Trainer", "check_hooks", "dry_run", "hook_specs", "preflight", "run_job", "summarize"]
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, launch: Launch = CLI
-          ) -> dict[str, Any]:
+def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *, launch: Launch = CLI
+            ) -> dict[str, Any]:
     """Run the job ``cfg`` describes into ``run_dir``; returns the summary (final and best metrics). ``launch``:
     how it was started (the command line, or :func:`hookexp.run.train`), for the fixes its errors name."""
     started = time.perf_counter()
@@ -52,8 +52,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
         ckpt.track(model=parts.model, optimizer=parts.optimizer)
         if resumed is not None:  # the weights before the hooks attach (see Checkpointer.restore_weights)
             ckpt.restore_weights(resumed)
-        trainer = Trainer(cfg, parts, ckpt, resumed)
-    trainer.started = started
+        trainer = Trainer(cfg, parts, ckpt, resumed, started)
     return trainer.fit()
 
 
@@ -65,8 +64,7 @@ def preflight(parts: Parts) -> None:
     try:
         batch = next(parts.loaders.epoch(0), None)
         if batch is None:
-            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
-                              "one that yields nothing). Check the data factory.", key="data.dataset")
+            raise no_batch()
         batch = to_device(batch, parts.device)
         try:
             output = parts.task.forward(parts.model, batch)

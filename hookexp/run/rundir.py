@@ -1,12 +1,8 @@
 """Run directories: one directory holds one run, and a run's results are never mixed or lost.
 
-- A fresh launch into a directory that holds a run's results is refused before anything is written (Hydra
-  writes ``.hydra/`` first, so the check runs in Hydra's ``on_run_start``): continue it with ``resume=true``,
-  start over with ``+overwrite=true`` (the old results are deleted), or pick another ``hydra.run.dir``.
-- ``resume=true hydra.run.dir=X`` re-composes X's own config from ``X/.hydra/overrides.yaml``: the command
-  the interrupted run printed works as it is. Extra overrides are refused unless they only change how long
-  or where the run goes on (:data:`RESUMABLE_CHANGES`).
-- A launch that fails before training removes the directory it created.
+A fresh launch into a directory with a run's results is refused (``resume=true``, ``+overwrite=true`` or
+another ``hydra.run.dir``); ``resume=true`` re-composes the run's own config; a launch that fails before
+training removes the directory it created. Details: docs/internals.md, "Run directories", and docs/runs.md.
 
 No torch here: the CLI imports this before composing, and ``--help`` must stay fast.
 """

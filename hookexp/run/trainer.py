@@ -1,6 +1,6 @@
 """The trainer: a run's step, log step, validation, checkpoints and shutdown. Read :meth:`Trainer.fit` first.
 
-:func:`hookexp.run.loop.train` wires a run (ranks, checkpoint, parts) and hands it to a :class:`Trainer`.
+:func:`hookexp.run.loop.run_job` wires a run (ranks, checkpoint, parts) and hands it to a :class:`Trainer`.
 Costs: a step that does not log does a forward, a backward and an update, plus one on-device add of the
 task's metric sums; a log step (every ``stats.every`` steps, the last, and every step of a spike's window)
 adds the statistics and one device-to-host copy. ``trainer/step`` in every record is the 0-based index of
@@ -16,27 +16,28 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from hookexp.analysis.plots import plot_grad_norms
+from hookexp.config import GuardConfig, StatsConfig, typed
 from hookexp.engine import HookHandle, attach
 from hookexp.engine.dryrun import hooks_summary
-from hookexp.errors import ConfigError
 from hookexp.goals import lower_is_better
 from hookexp.run import distributed
 from hookexp.run.build import Parts
 from hookexp.run.checkpoint import Checkpointer, LoopState
-from hookexp.run.loaders import to_device
+from hookexp.run.loaders import no_batch, to_device
 from hookexp.run.manifest import build_manifest
-from hookexp.run.observers import trainer_observers
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
 from hookexp.run.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
+from hookexp.telemetry.assemble import Wiring, build_observers
 from hookexp.telemetry.forensics import draw
+from hookexp.telemetry.meter import TrainMeter
 from hookexp.telemetry.readback import split_histograms
 
 log = logging.getLogger("hookexp.train")
@@ -46,24 +47,46 @@ def hook_specs(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg.hooks, resolve=True)  # type: ignore[return-value]
 
 
+class StepResult(NamedTuple):
+    """What :meth:`Trainer.train_step` did: micro-batches ``taken`` of those ``asked`` for (fewer: the data ran
+    out), and the spike its log step found (None: none, or not a log step)."""
+
+    taken: int
+    asked: int
+    spike: Any = None
+
+
+def trainer_observers(cfg: DictConfig, parts: Parts, hooks: HookHandle, scaler: Any = None) -> Any:
+    """The run's observers (:func:`hookexp.telemetry.assemble.build_observers`), attached after the hook specs;
+    ``scaler``: fp16's GradScaler (it skips overflowing steps itself, so the guard looks at the loss alone; the
+    noise scale divides its scale out of the micro-batches' gradients)."""
+    stats = typed(StatsConfig, cfg.stats, lambda name: f"stats.{name}")
+    guard = typed(GuardConfig, cfg.guard, lambda name: f"guard.{name}")
+    wiring = Wiring(hooks=hooks, meter=TrainMeter(parts.task, parts.device, parts.ranks), device=parts.device,
+                    grads_scaled=scaler is not None, ranks=parts.ranks, accumulate=parts.accumulate,
+                    clip=cfg.trainer.clip_grad_norm, grad_scale=(lambda: scaler._scale) if scaler is not None else None)
+    return build_observers(parts.model, parts.optimizer, stats, guard, wiring)
+
+
 class Trainer:
     """One run's training: the parts (:class:`~hookexp.run.build.Parts`), the hooks, the precision, the
     observers, the checkpointer, the sinks and the loop state. Built after the parts (and a resumed run's
     weights): it attaches the hook specs and the observers before DDP wrapping and compiling, so that targets
-    keep their names. ``resumed``: the checkpoint's contents, or None."""
+    keep their names. ``resumed``: the checkpoint's contents, or None; ``started``: when the run started
+    (``time.perf_counter()``; None: now)."""
 
-    def __init__(self, cfg: DictConfig, parts: Parts, ckpt: Checkpointer, resumed: dict[str, Any] | None):
+    def __init__(self, cfg: DictConfig, parts: Parts, ckpt: Checkpointer, resumed: dict[str, Any] | None,
+                 started: float | None = None):
         self.cfg, self.parts, self.ckpt = cfg, parts, ckpt
         self.run_dir: Path = ckpt.run_dir
-        self.started = time.perf_counter()  # train() sets when the run started
+        self.started = started if started is not None else time.perf_counter()
         main = parts.ranks.is_main  # only rank 0 writes files and logs
         self.hooks: HookHandle = attach(parts.model, hook_specs(cfg), parts.optimizer, measure=False)
         self.observers = None
         try:
             self.amp = MixedPrecision(cfg.trainer.precision, parts.device, self.hooks)
-            self.observers = trainer_observers(cfg, parts, self.hooks, grads_scaled=self.amp.scaler is not None,
-                                               scaler=self.amp.scaler)
-            self.meter, self.guard, self.spikes = (self.observers.named[k] for k in ("meter", "guard", "spike"))
+            self.observers = trainer_observers(cfg, parts, self.hooks, self.amp.scaler)
+            self.meter, self.guard, self.recorder = (self.observers.named[k] for k in ("meter", "guard", "spike"))
             self.forward = distributed.wrap(parts.model, cfg.trainer, parts.ranks, parts.device)
             self.records = Records(self.hooks, self.run_dir, enabled=main and cfg.trainer.save_records)
             self.local = LocalFiles(self.run_dir) if main else None
@@ -84,6 +107,9 @@ class Trainer:
         self.period: list[dict[str, Any]] = []  # the steps since the last log step and their batches (spikes.jsonl)
         self.last_log_time = time.perf_counter()
         self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
+        self.stopped_by = parts.limit  # what ended the run, for the summary and the final line
+        self.bar = tqdm(total=parts.total_steps, initial=self.loop.step, disable=not cfg.trainer.progress,
+                        desc="train", unit="step", leave=False)
 
     # -- the run ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -92,18 +118,17 @@ class Trainer:
         status = "failed"
         with self.ckpt.stops.catching():
             try:
-                status = self.steps()
+                status = self.run_steps()
             finally:
                 summary = self.close(status)
         return summary
 
-    def steps(self) -> str:
-        """The loop: step, validate, checkpoint, until the last step, a signal or ``trainer.stop_when``."""
-        loop, total, parts = self.loop, self.parts.total_steps, self.parts
+    def run_steps(self) -> str:
+        """The loop: step, validate, checkpoint, until the last step, a signal or ``trainer.stop_when``; returns
+        the run's status (finished or interrupted)."""
+        loop, total, parts, bar = self.loop, self.parts.total_steps, self.parts, self.bar
         per_epoch, eval_every = parts.loaders.batches_per_epoch(), self.cfg.trainer.eval_every
         eval_epochs = self.cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full batch: one step an epoch)
-        bar = self.bar = tqdm(total=total, initial=loop.step, disable=not self.cfg.trainer.progress, desc="train",
-                              unit="step", leave=False)
         batches = None
         parts.model.train()
         while loop.step < total:
@@ -111,33 +136,35 @@ class Trainer:
             if batches is None:  # this epoch's batches, from the loop's position in it (a resumed run starts mid-epoch)
                 batches = parts.loaders.epoch(loop.epoch, loop.batch)
             log_now = loop.step % self.cfg.stats.every == 0 or loop.step == total - 1 or \
-                self.spikes.logging_every_step(loop.step)
-            taken, micro, spike = self.train_step(batches, per_epoch, log_now)
+                self.recorder.logging_every_step(loop.step)
+            result = self.train_step(batches, per_epoch, log_now)
+            taken = result.taken
             bar.update(bool(taken))
             loop.train_s += time.perf_counter() - started
-            epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < micro
+            epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < result.asked
             if epoch_done:
                 loop.epoch, loop.batch, batches = loop.epoch + 1, 0, None
             epoch_eval = epoch_done and eval_epochs and loop.epoch % eval_epochs == 0
             if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
                 self.evaluate()
-            if self.maybe_checkpoint(taken, log_now, spike):
+            stopping = self.stop_requested(log_now)
+            self.maybe_checkpoint(result, stopping)
+            if stopping:
                 log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.stops.signum, loop.step,
                             self.ckpt.path)
                 bar.close()
                 return "interrupted"
             if self.reached is not None:
                 log.info("stopped after step %d: %s (trainer.stop_when)", self.reached, parts.goal)
-                parts.limit = f"trainer.stop_when={parts.goal}"  # what ended the run, for the summary and final line
+                self.stopped_by = f"trainer.stop_when={parts.goal}"
                 break
         bar.close()
         if loop.evaluated != loop.step - 1:  # resumed from the final checkpoint, before its validation ran
             self.evaluate()
         return "finished"
 
-    def train_step(self, batches: Any, per_epoch: int | None, log_now: bool) -> tuple[int, int, Any]:
-        """One optimizer step over ``trainer.accumulate`` micro-batches (the epoch's last step takes those left);
-        returns (micro-batches taken, asked for, a spike found on its log step or None)."""
+    def train_step(self, batches: Any, per_epoch: int | None, log_now: bool) -> StepResult:
+        """One optimizer step over ``trainer.accumulate`` micro-batches (the epoch's last step takes those left)."""
         loop, parts, observers = self.loop, self.parts, self.observers
         task, optimizer, first_batch = parts.task, parts.optimizer, loop.batch
         observers.start(loop.step, log_now)
@@ -160,11 +187,10 @@ class Trainer:
             self.meter.add(*task.sums(output, batch, loss))
             taken += 1
         if not taken and not loop.batch:
-            raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
-                              "one that yields nothing). Check the data factory.", key="data.dataset")
+            raise no_batch()
         loop.batch += taken
         if not taken:
-            return taken, micro, None
+            return StepResult(taken, micro)
         self.amp.unscale(optimizer)  # pre_step specs, the guard and the statistics see true gradients
         if observers.allow_update(loss, loop.step):
             self.amp.step(optimizer)  # the pre_step specs, then the observers' before_update (statistics, clip)
@@ -177,7 +203,7 @@ class Trainer:
         self.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
         spike = self.log_step(step) if log_now else None
         observers.end(step)
-        return taken, micro, spike
+        return StepResult(taken, micro, spike)
 
     def log_step(self, step: int) -> Any:
         """Every observer's values in one read-back, to the sinks; returns the spike this step starts, if any."""
@@ -191,7 +217,7 @@ class Trainer:
         spike = self.observers.observe(metrics, step).get("spike")
         if spike is not None:
             log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps",
-                        spike.metric, step, spike.value, spike.median, self.spikes.steps)
+                        spike.metric, step, spike.value, spike.median, self.recorder.steps)
             self.sinks.spike(spike.row(self.period))
             self.draw_forensics()
         self.period = []
@@ -213,7 +239,7 @@ class Trainer:
             self.reached = step
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
+    def validation_metrics(self) -> dict[str, float]:
         """The task's metrics over the validation set (summed over ranks), as ``val/<metric>``."""
         parts = self.parts
         batches = parts.loaders.validation()
@@ -240,28 +266,31 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validate after the last step's update and log it under that step."""
-        val = self.validate()
+        val = self.validation_metrics()
         self.loop.evaluated = self.loop.step - 1
         if val:
             self.sinks.log({**val, "epoch": self.loop.epoch}, self.loop.step - 1)
             self.check_goal(val, self.loop.step - 1)
         return val
 
-    def maybe_checkpoint(self, taken: int, log_now: bool, spike: Any) -> bool:
+    def stop_requested(self, log_now: bool) -> bool:
+        """Whether a signal asks the run to stop. Under DDP the ranks agree on log steps only, so no other step
+        pays a collective."""
+        ranks = self.parts.ranks
+        return bool(self.ckpt.stops.requested if not ranks.enabled else (
+            log_now and ranks.any(self.ckpt.stops.requested, self.parts.device)))
+
+    def maybe_checkpoint(self, result: StepResult, stopping: bool) -> None:
         """A checkpoint when one is due (every ``trainer.checkpoint_every`` steps, the last step, the step
-        ``stop_when`` held, a spike, a signal); returns whether a signal asks the run to stop. Under DDP the
-        ranks agree on log steps only, so no other step pays a collective."""
-        loop, ranks, every = self.loop, self.parts.ranks, self.cfg.trainer.checkpoint_every
-        stopping = self.ckpt.stops.requested if not ranks.enabled else (
-            log_now and ranks.any(self.ckpt.stops.requested, self.parts.device))
-        due = every and taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
-                                   or self.reached is not None)
-        if stopping or due or (spike is not None and self.spikes.checkpoint):
+        ``stop_when`` held, a spike, ``stopping``: a signal)."""
+        loop, every = self.loop, self.cfg.trainer.checkpoint_every
+        due = every and result.taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
+                                          or self.reached is not None)
+        if stopping or due or (result.spike is not None and self.recorder.checkpoint):
             if self.ckpt.finite(self.parts.model):  # never a non-finite state: it would replace the last good one
                 self.ckpt.save(loop)
             else:
                 self.guard.refuse_checkpoint(loop.step, self.ckpt.saved_step)
-        return bool(stopping)
 
     @contextlib.contextmanager
     def explaining(self) -> Any:
@@ -321,6 +350,7 @@ class Trainer:
                 return None
 
         parts, loop, run_dir = self.parts, self.loop, self.run_dir
+        self.bar.close()
         self.observers.close()
         attempt(self.records.save)
         calls = {f"hook/{name}/calls": row["calls"] for name, row in self.hooks.stats(reset=False).items()}
@@ -337,7 +367,7 @@ class Trainer:
             "run_dir": str(run_dir), **self.observers.summary(), **calls,
         })
         if status == "finished":
-            summary["trainer/stopped_by"] = parts.limit  # the limit that ended the run, e.g. trainer.max_steps=4000
+            summary["trainer/stopped_by"] = self.stopped_by  # e.g. trainer.max_steps=4000
         if parts.ranks.enabled and status != "failed":
             summary.update({"dist/world_size": parts.ranks.world_size, "dist/strategy": parts.ranks.strategy})
             if not parts.ranks.sharded:  # replicas: they must hold the same parameters (FSDP's ranks hold shards)

@@ -1,35 +1,9 @@
-"""The gradient noise scale per parameter group, from the micro-batches a step already computes.
-
-McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", App. A.1): with ``n`` small batches of
-``B_small`` samples whose mean gradient is the big batch's (``B_big = n B_small``),
-
-    |G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
-    tr(S) ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)          |G_small|^2: the small batches' mean
-
-are unbiased estimates of the true gradient's squared norm and of the trace of the per-sample gradient
-covariance; each is smoothed by an exponential moving average (``ema``, debiased as Adam's moments: divided by
-``1 - ema^t``), and ``B_simple = tr(S) / |G|^2`` (the ratio of the two averages) estimates the critical batch
-size, in samples. Unequal micro-batches: ``1/B_small`` is the mean of their ``1/b_i``.
-
-The small batches: the ``k`` micro-batches of gradient accumulation (k backward passes between two
-``optimizer.step()``), times the ranks under DDP (each rank's micro-batches). No extra backward: a tensor hook
-on every trainable parameter takes the norm of the gradient each backward adds (before it is accumulated into
-``.grad``; under DDP each rank's own, before the all-reduce), and right before the update the norm of the
-final ``.grad`` is the big batch's. Contract: the final ``.grad`` is the mean of the micro-batches' gradients
-(each micro-batch's loss divided by ``k``, as the hookexp trainer, Lightning and the HF Trainer do, and
-averaged over the ranks, as DDP does), so a micro-batch's own gradient is ``k`` times what its backward adds
-(divided by the GradScaler's scale under fp16, ``grad_scale``). ``B_small`` is each micro-batch's samples on
-one rank: ``batch_size``, or measured from each training forward of the model (the leading dimension of its
-first tensor argument; one forward per micro-batch).
-
-Costs: every step, one norm kernel per parameter per micro-batch and one ``_foreach_norm`` of the gradients,
-then a dozen small ops on ``1 + groups`` numbers; nothing read back. Under DDP each rank smooths the estimates
-of its own micro-batches (the estimates are linear in them) and a log step averages them over the ranks with
-one ``all_reduce`` of ``4 (1 + groups)`` numbers: the figures of one process that computed every rank's
-micro-batches. FSDP2 is refused: its sharded parameters run no tensor hook, and each micro-batch's gradient
-is reduce-scattered over the ranks at once, so no rank ever holds its own small-batch gradient.
-Keys (log steps): ``gns/{grad_sq,trace,b_simple}`` over every trainable parameter and
-``gns/<group>/{grad_sq,trace,b_simple}`` per ``group_by`` group (the rule of the group norms).
+"""The gradient noise scale per parameter group (``stats.gns``), from the micro-batches a step already computes:
+McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", App. A.1). Each step's unbiased estimates
+of |G|^2 and tr(S), from the micro-batches' gradient norms (tensor hooks, no extra backward) and the final
+``.grad``'s, are smoothed by debiased moving averages; ``B_simple = tr(S) / |G|^2``. The estimates, the
+contract on ``.grad``, the costs and DDP/FSDP: docs/statistics.md, "The gradient noise scale".
+Keys (log steps): ``gns/{grad_sq,trace,b_simple}`` and ``gns/<group>/{grad_sq,trace,b_simple}`` per ``group_by`` group.
 """
 
 from __future__ import annotations
@@ -42,22 +16,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hookexp.config import StatsConfig
 from hookexp.errors import ConfigError
 from hookexp.telemetry.observer import Observer
-from hookexp.telemetry.probes import grouper
+from hookexp.telemetry.probes import grouper, stats_key
 from hookexp.telemetry.readback import Pending, wide_dtype
 
-
-def trainer_key(setting: str) -> str:
-    """The trainer's config key of a setting (errors name it): the trainer always measures the batch size."""
-    return "stats.gns" if setting == "gns_batch_size" else f"stats.{setting}"
+FSDP_REFUSED = ("the gradient noise scale needs each rank's own micro-batch gradients, and FSDP2 never holds them "
+                "(every micro-batch's gradient is reduce-scattered over the ranks at once). Train with "
+                "trainer.strategy=ddp, or set stats.gns=false.")
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+def _batch_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A forward's first argument with a batch dimension (its leading dimension counts the samples)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value
@@ -67,33 +42,27 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 class GradientNoiseScale(Observer):
     """``stats.gns``: the gradient noise scale of ``model``'s trainable parameters (module docstring), an
     :class:`~hookexp.telemetry.observer.Observer` whose :meth:`before_update` runs on the final gradients of
-    every step. ``group_by``: the groups (``stats.group_by``'s rule); ``ema``: the smoothing in [0, 1);
-    ``batch_size``: samples per micro-batch on each rank (None: measured); ``grad_scale``: the loss scale the
-    backward passes ran under (fp16's GradScaler; a tensor, a number or None), asked for right before the update;
-    ``key`` names the settings in errors (the trainer's ``stats.*`` keys by default)."""
+    every step. ``stats``: ``group_by`` (the groups) and ``gns_ema`` (the smoothing); ``batch_size``: samples
+    per micro-batch on each rank (None: measured); ``grad_scale``: the loss scale the backward passes ran under
+    (fp16's GradScaler; a tensor, a number or None), asked for right before the update; ``key`` names the
+    settings in errors (the trainer's ``stats.*`` keys by default)."""
 
     optional_state: ClassVar[bool] = True  # checkpoints written before stats.gns have no state for it
 
-    def __init__(self, model: nn.Module, *, group_by: str | None = None, ema: float = 0.95,
-                 batch_size: int | None = None, grad_scale: Callable[[], Any] | None = None,
-                 key: Callable[[str], str] = trainer_key):
-        if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
-            raise ConfigError(f"must be a number in [0, 1) (the weight of the past in the moving averages; 0: no "
-                              f"smoothing), got {ema!r}.", key=key("gns_ema"))
+    def __init__(self, model: nn.Module, stats: StatsConfig | None = None, batch_size: int | None = None,
+                 grad_scale: Callable[[], Any] | None = None, key: Callable[[str], str] = stats_key):
+        stats = stats if stats is not None else StatsConfig()
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ConfigError(f"must be a positive number of samples per micro-batch (or None: measured), got "
                               f"{batch_size!r}.", key=key("gns_batch_size"))
-        self.key, self.ema, self.batch_size, self.grad_scale = key, float(ema), batch_size, grad_scale
+        self.key, self.ema, self.batch_size, self.grad_scale = key, float(stats.gns_ema), batch_size, grad_scale
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if any(hasattr(p, "placements") for _, p in named):
-            raise ConfigError("the gradient noise scale needs each rank's own micro-batch gradients, and FSDP2 never "
-                              "holds them: its sharded parameters run no tensor hook, and every micro-batch's "
-                              "gradient is reduce-scattered over the ranks at once. Train with "
-                              "trainer.strategy=ddp, or set stats.gns=false.", key=key("gns"))
+            raise ConfigError(FSDP_REFUSED, key=key("gns"))
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        group = grouper(group_by, key("group_by"))
+        group = grouper(stats.group_by, key("group_by"))
         member = [group(n) for n in self.names]
         self.groups = list(dict.fromkeys(g for g in member if g is not None))
         rows = [[1.0] * len(named)] + [[float(m == g) for m in member] for g in self.groups]
@@ -121,7 +90,7 @@ class GradientNoiseScale(Observer):
 
     def _count(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training and torch.is_grad_enabled():
-            x = _first_tensor(args, kwargs)
+            x = _batch_input(args, kwargs)
             if x is not None:
                 self._sizes.append(int(x.shape[0]))
 

@@ -1,21 +1,10 @@
 """The observer seam: what a training step shows the telemetry, and in what order.
 
-Everything that watches training — the statistics probes, what the hooks did, the task's metrics, the
-non-finite guard, the spike recorder, the gradient clip's norm — is an :class:`Observer`. The hookexp
-trainer, :func:`hookexp.watch` and the Lightning and HF callbacks all drive the same objects through one
-:class:`Observers`, so a new statistic is one new observer (one file), seen by all four.
-
-A step, as every driver runs it::
-
-    start(step, log)         before the forward: ``log`` says whether this step is a log step
-    allow_update(loss, step) the trainer only, before optimizer.step(): False skips the update (the guard)
-    before_update()          on the final gradients, right before the update (optimizer pre-hook, or by hand)
-    after_update()           right after the update (optimizer post-hook)
-    read()                   a log step: every observer's pending() in ONE device-to-host copy
-    observe(metrics, step)   a log step, after read(): what was logged (the spike recorder)
-    end(step)                after the step
-
-Observers hold device tensors between these calls and never sync the host off log steps.
+Everything that watches training is an :class:`Observer`; the trainer, :func:`hookexp.watch` and the callbacks
+drive the same objects (built by :func:`hookexp.telemetry.assemble.build_observers`) through one
+:class:`Observers`: ``start(step, log)``, ``allow_update`` (the trainer), ``before_update``, ``after_update``,
+``read()`` (a log step: one device-to-host copy), ``observe(metrics, step)``, ``end(step)``. Observers hold
+device tensors between these calls and never sync the host off log steps; docs/internals.md, "The observer seam".
 """
 
 from __future__ import annotations

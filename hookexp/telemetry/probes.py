@@ -1,36 +1,11 @@
-"""Probes: what the statistics describe, captured by hooks attached once and acting on log steps only.
+"""Probes: what the statistics describe (``stats.grads``, ``activations``, ``params``, ``updates``,
+``optimizer``, ``group_by``), captured by hooks attached once and acting on log steps only.
 
-A :class:`Probes` is built right after the hook specs are attached, before DDP wrapping and compiling,
-and lives as long as they do. While ``active`` is off (steps that do not log) its hooks return at once;
-while it is on they keep what the log step describes:
-
-- ``grads``: each matched parameter's ``.grad`` right before ``optimizer.step()``: after accumulation,
-  the DDP all-reduce, the AMP unscale and the ``pre_step`` specs, before ``trainer.clip_grad_norm``
-  (:class:`~hookexp.telemetry.observer.Observers` calls the observers in order from one optimizer step
-  pre-hook registered after the specs' own: the statistics, then the clip);
-- ``activations``: the output of each matched module in a training forward (its first tensor when it
-  returns a tuple), through plain forward hooks (:func:`hookexp.engine.output_hooks`: no spec, nothing
-  counted or listed) switched on for log steps; they are attached with the probes, so torch.compile sees
-  them from the start: hooks added after compiling are ignored by torch;
-- ``params``: the weights after the update; ``updates``: the update (weights after minus before) and its
-  norm over the weights' norm before it; ``optimizer``: the norm of every optimizer state tensor shaped
-  like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``);
-- ``group_by``: a ``re:`` pattern; the parameters whose names it matches from the start are grouped by
-  the matched text (``re:^blocks\\.\\d+`` gives ``blocks.0``, ``blocks.1``, ...), and each group also gets
-  the norm of its members' gradients, weights and updates together.
-
-:meth:`Probes.pending` describes the gradients and activations in ONE
-:class:`~hookexp.telemetry.stats.TensorStats` call (one all-gather a log step under DDP/FSDP: activations
-are each rank's part of the batch, FSDP's gradients are combined from their shards) and takes the norms of
-the weights, updates and optimizer states, which need nothing more, with one ``torch._foreach_norm``
-(:func:`~hookexp.telemetry.stats.norms`: no float64 copy of six model-sized tensors; one all-reduce under
-FSDP). Nothing is read back: :func:`~hookexp.telemetry.readback.read` does that, with the other producers'
-values.
-Keys: ``grad/<param>/<stat>`` (norm, mean, std, min, max, frac_zero, frac_neg), ``grad/global_norm``,
-``act/<module>/{mean,std,abs_mean,kurtosis,frac_zero}`` (``abs_mean``: mean |x|; ``kurtosis``: Pearson's,
-E[(x - mean)^4] / std^4 with population moments, 3 for a normal distribution),
-``param/<param>/norm``, ``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``,
-``{grad,param,update}/group/<group>/norm``, and ``grad/<param>/hist`` / ``act/<module>/hist``.
+A log step's gradients and activations are described in ONE :class:`~hookexp.telemetry.stats.TensorStats` call
+and the weight, update and optimizer-state norms with one ``torch._foreach_norm``; nothing is read back here.
+Keys: ``grad/<param>/<stat>``, ``grad/global_norm``, ``act/<module>/<stat>``, ``param/<param>/norm``,
+``update/<param>/{norm,ratio}``, ``opt/<param>/<state>_norm``, ``{grad,param,update}/group/<group>/norm``,
+``.../hist``. When each is captured, and the costs: docs/internals.md, "Probes".
 """
 
 from __future__ import annotations
@@ -45,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hookexp.config import StatsConfig
 from hookexp.engine import match, output_hooks
 from hookexp.errors import ConfigError
 from hookexp.telemetry.observer import Observer
@@ -55,12 +31,10 @@ _ACT_DROPPED = tuple(f"/{s}" for s in STATS if s not in ACTIVATION_STATS)  # wha
 _GRAD_DROPPED = tuple(f"/{s}" for s in STATS if s not in GRADIENT_STATS)  # what gradients do not log
 
 
-_TRAINER_KEYS = {"optimizer_state": "stats.optimizer", "optimizer": "Probes(optimizer=...)"}
-
-
-def trainer_key(setting: str) -> str:
-    """The trainer's config key of a :class:`Probes` setting (errors name it)."""
-    return _TRAINER_KEYS.get(setting, f"stats.{setting}")
+def stats_key(setting: str) -> str:
+    """The trainer's config key of a ``stats`` setting (errors name it); the trainer always measures the noise
+    scale's batch size, so ``gns_batch_size`` is ``stats.gns`` there."""
+    return "stats.gns" if setting == "gns_batch_size" else f"stats.{setting}"
 
 
 def _params(model: nn.Module, pattern: str | None, key: str, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:
@@ -90,25 +64,24 @@ def grouper(pattern: str | None, key: str) -> Callable[[str], str | None]:
 class Probes(Observer):
     """The statistics probes of one model and optimizer, an :class:`~hookexp.telemetry.observer.Observer`
     (driven by :class:`~hookexp.telemetry.observer.Observers`, whose optimizer hooks call
-    :meth:`before_update` and :meth:`after_update`); see the module docstring. ``activations_sharded``:
-    whether activations are one rank's part of a batch spread over the default process group (DDP/FSDP; by
-    default: whenever torch.distributed is initialized with several ranks). ``key`` names a setting in errors
-    (the trainer's ``stats.*`` keys by default; ``watch`` names its own arguments)."""
+    :meth:`before_update` and :meth:`after_update`); see the module docstring. ``stats``: what to describe (the
+    trainer's ``stats`` config; None: its defaults). ``activations_sharded``: whether activations are one rank's
+    part of a batch spread over the default process group (DDP/FSDP; by default: whenever torch.distributed is
+    initialized with several ranks). ``key`` names a setting in errors (the trainer's ``stats.*`` keys by
+    default; ``watch`` names its own arguments)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, grads: str | None = "*",
-                 activations: str | None = None, params: str | None = None, updates: str | None = None,
-                 optimizer_state: str | None = None, group_by: str | None = None, hist_bins: int = 0,
-                 hist_sample: int | None = 4096, activations_sharded: bool | None = None,
-                 key: Callable[[str], str] = trainer_key):
-        self.grads = [(f"grad/{n}", p) for n, p in _params(model, grads, key("grads"))]  # (metric key, parameter)
-        self.params = _params(model, params, key("params"), trainable=False)
-        self.updates = _params(model, updates, key("updates"))
-        self.opt_params = _params(model, optimizer_state, key("optimizer_state"))
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, stats: StatsConfig | None = None,
+                 activations_sharded: bool | None = None, key: Callable[[str], str] = stats_key):
+        stats = stats if stats is not None else StatsConfig()
+        self.grads = [(f"grad/{n}", p) for n, p in _params(model, stats.grads, key("grads"))]  # (metric key, param)
+        self.params = _params(model, stats.params, key("params"), trainable=False)
+        self.updates = _params(model, stats.updates, key("updates"))
+        self.opt_params = _params(model, stats.optimizer, key("optimizer"))
         if optimizer is None and (self.grads or self.updates or self.opt_params):
             raise ConfigError("gradient, update and optimizer statistics are taken around optimizer.step(): pass "
-                              "the optimizer.", key=key("optimizer"))
-        self._group = grouper(group_by, key("group_by"))
-        self.describer = TensorStats(STATS, hist_bins, hist_sample)
+                              "the optimizer.", key="Probes(optimizer=...)")
+        self._group = grouper(stats.group_by, key("group_by"))
+        self.describer = TensorStats(STATS, stats.hist_bins, stats.hist_sample)
         if activations_sharded is None:
             activations_sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._acts_sharded = activations_sharded
@@ -118,8 +91,8 @@ class Probes(Observer):
         self._before: list[torch.Tensor] = []
         self._active = False
         self._acts = None
-        if activations:
-            self._acts = output_hooks(model, activations, self._keep_activation, key=key("activations"), on=False)
+        if stats.activations:
+            self._acts = output_hooks(model, stats.activations, self._keep_activation, key=key("activations"), on=False)
         self._optimizer = optimizer
 
     @property

@@ -1,48 +1,11 @@
 """Describe tensors: the one statistics path, in plain torch ops, the same on every device.
 
-API::
-
-    describer = TensorStats(stats=STATS, hist_bins=0, hist_sample=None, group=None)
-    values, decode = describer.describe({"grad/fc1.weight": g1, ...}, sharded=())   # no host sync
-    metrics = read([(values, decode), ...])   # hookexp.telemetry.readback: one copy for every producer
-    # {"grad/fc1.weight/norm": 0.12, ..., "grad/fc1.weight/hist": (counts, edges)}
-
-``describe`` returns a :data:`~hookexp.telemetry.readback.Pending` pair: a flat device tensor and the
-decoder of its host copy, so producers built on it (gradients, activations, parameters, updates, optimizer
-state) hand :func:`~hookexp.telemetry.readback.read` their values without reading them themselves. Per
-tensor: ``norm``, ``mean``, ``std`` (unbiased; NaN for one element), ``min``, ``max``, ``frac_zero``,
-``frac_neg``, ``abs_mean`` (mean |x|), ``kurtosis`` (Pearson's, not excess: E[(x - mean)^4] / E[(x - mean)^2]^2
-with population moments, 3 for a normal distribution; NaN when every element is equal or any is NaN/Inf)
-(those of ``stats``), and with ``hist_bins`` > 0 a histogram over the tensor's [min, max] binned as
-``torch.histc`` bins (the maximum in the last bin; one value: a unit-wide range around it),
-counted on every element or, with ``hist_sample``, on a fixed subset of at most that many elements of
-each tensor (each rank's part of it) drawn once with replacement (``torch.randint(n, (hist_sample,),
-generator=torch.Generator().manual_seed(0))``), the counts scaled to the tensor's size. NaN counts as
-nonzero and not negative, and makes norm, mean, std, min and max NaN as in torch; a tensor with NaN or Inf
-has no histogram (its min/max say why); empty tensors have no keys; bf16/fp16 are described in float32.
-
-How: the tensors are joined into one float64 buffer of rows (float32 on MPS, which has no float64): one
-``torch.cat``, each tensor filling whole rows, the tail of its last row padded. A dozen row-wise
-reductions and elementwise passes, then ``index_add_``/``scatter_reduce_`` over the rows, give each tensor
-its count, sum, sum of |x|, the 2nd power of its deviations from its mean (two passes: exact however large
-the mean is against the spread) and, for the tensors ``higher`` names (the activations), the 3rd and 4th
-(kurtosis), zeros, negatives, min and max; the histograms bin every element (or the sampled ones) in one
-pass and count them with one ``index_add_``. About 35 kernels, 55 with histograms, whatever the number
-of tensors, and nothing read back: that is :func:`read`'s one copy. While it runs, a log step holds two
-float64 copies of the described elements (and, for exact histograms, their float32 values and int64 bins);
-nothing is kept between log steps but each layout's index tensors.
-
-Sharded tensors: a DTensor (FSDP2's ``fully_shard`` parameters and their ``.grad``) is
-described from its local shard and placements, a plain tensor named in ``sharded`` as one rank's part of
-a tensor spread over ``group`` (e.g. activations of a data-parallel batch); other plain tensors are the
-same on every rank. When any tensor is sharded and the group has several ranks, each rank's per-tensor
-partials (count, sum, deviations' powers, zeros, negatives, min, max, sum of |x|) go through ONE all-gather
-(``all_gather_single``) and combine exactly (each part's central moments moved to the common mean, Chan et
-al.'s and Pébay's formulas); a
-replicated tensor, or mesh dimension, counts on its first rank only. Histograms then bin each shard
-over the global range and sum the counts in ONE ``all_reduce``: 1 collective a log step, 2 with
-histograms, for all tensors together; none when nothing is sharded. Every rank must describe the same
-keys in the same order.
+``TensorStats(stats, hist_bins, hist_sample).describe({"grad/fc1.weight": g1, ...})`` returns a
+:data:`~hookexp.telemetry.readback.Pending` pair (a flat device tensor and the decoder of its host copy, no host
+sync): per tensor ``norm``, ``mean``, ``std``, ``min``, ``max``, ``frac_zero``, ``frac_neg``, ``abs_mean``,
+``kurtosis`` and, with ``hist_bins`` > 0, a histogram. DTensors and the keys in ``sharded`` are combined over the
+ranks in one all-gather (two collectives with histograms). The exact definitions, the kernels and the sharded
+path: docs/internals.md, "Describing tensors".
 """
 
 from __future__ import annotations
@@ -110,8 +73,7 @@ class TensorStats:
         ranks = ranks if any(spread for _, spread, _ in parts) else 1
         local = [t if ranks == 1 or own else t.reshape(-1)[:0] for t, _, own in parts]  # a replica: one rank
         key = (tuple(keys), len(higher), tuple(t.numel() for t in local), local[0].device, ranks)
-        layout = self._layouts.pop(key, None) or _Layout(keys, self.stats, local, ranks, self.hist_sample,
-                                                         len(higher))
+        layout = self._layouts.pop(key, None) or _Layout(keys, self, local, ranks, len(higher))
         self._layouts[key] = layout
         if len(self._layouts) > 8:  # e.g. activations of a smaller last batch: a few layouts, the oldest go
             self._layouts.popitem(last=False)
@@ -175,9 +137,10 @@ class _Layout:
     tensor's last row, which tensor each row belongs to and how many elements it holds, and the histogram
     positions."""
 
-    def __init__(self, keys: list[str], stats: list[str], local: list[torch.Tensor], ranks: int,
-                 hist_sample: int | None, higher: int = 0):
-        self.keys = [[f"{k}/{s}" for s in stats] for k in keys]  # the decoder's, made once
+    def __init__(self, keys: list[str], describer: TensorStats, local: list[torch.Tensor], ranks: int,
+                 higher: int = 0):
+        hist_sample = describer.hist_sample
+        self.keys = [[f"{k}/{s}" for s in describer.stats] for k in keys]  # the decoder's, made once
         self.hist_keys = [f"{k}/hist" for k in keys]
         sizes = [t.numel() for t in local]
         device, self.wide = local[0].device, wide_dtype(local[0].device)

@@ -1,56 +1,31 @@
-"""``hookexp.watch``: the statistics the hookexp trainer logs, in any training loop, with no call in the loop.
+"""``hookexp.watch``: the statistics the hookexp trainer logs, in any training loop, with no call in the loop::
 
-::
+    with hookexp.watch(model, optimizer, every=10, log=wandb.run):   # or log=lambda metrics, step: ...
+        ...                                                          # your loop, unchanged
 
-    import hookexp
-    w = hookexp.watch(model, optimizer, every=10, log=wandb.run)        # or log=lambda metrics, step: ...
-    for x, y in loader:                                                # your loop, unchanged
-        loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
-    w.remove()                                                         # or: with hookexp.watch(...):
-
-The drop-in replacement for ``wandb.watch(model, log="gradients")``: the same probes as the trainer
-(:class:`~hookexp.telemetry.probes.Probes`: gradients right before ``optimizer.step()``, activations,
-weights, updates, optimizer state, group norms, histograms), and optionally hook specs, whose effects are
-measured on the same steps. Everything runs from optimizer hooks: after ``optimizer.step()`` of a log step
-the probes' values are read back in one copy and handed to ``log(metrics, step)``, ``step`` being the
-0-based index of the optimizer step they describe (``trainer/step``); then the next step's probes are
-switched on or off. ``step`` counts the ``optimizer.step()`` calls that ran: one that fp16's GradScaler
-skips runs no optimizer hook and is not counted, unless the loop says where it is with :meth:`Watch.sync`
-(the callbacks do, from the loop's ``global_step``). A W&B run (anything with ``.log``) gets the scalars,
-``trainer/step`` and the histograms as ``wandb.Histogram``; a callable gets one dict whose ``.../hist`` keys
-hold ``(counts, edges)``.
-Under DDP/FSDP every rank must watch (activations and sharded tensors are combined over the ranks);
-give ``log`` on rank 0 only, or let it check the rank.
-
-``spike={"metric": "grad/global_norm", ...}`` (the trainer's ``guard.spike`` keys) watches a logged metric for
-spikes, with first-divergence forensics (:mod:`hookexp.telemetry.forensics`, ``forensics=`` the trainer's
-``guard.forensics`` keys, or False): each spike's row, with the targets ranked by the step each left its range
-(``first``), is appended to :attr:`Watch.spikes`, its heatmap written to ``forensics_dir`` (default: the W&B
-run's directory, else none) and logged to a W&B run; :meth:`Watch.report` asks by hand (a NaN your loop caught).
-
-``gns=True`` adds the gradient noise scale (:mod:`hookexp.telemetry.gns`, ``gns/...`` keys): its small
-batches are the backward passes between two ``optimizer.step()`` calls (gradient accumulation, each loss
-divided by their number), times the DDP ranks; the samples per micro-batch are measured from each training
-forward of ``model`` (the leading dimension of its first tensor argument) unless ``gns_batch_size`` gives
-them; ``gns_ema`` smooths; ``grad_scale`` (a callable) gives fp16's loss scale when the loop scales its losses.
+The same observers as the trainer (:func:`~hookexp.telemetry.assemble.build_observers`, from a
+:class:`~hookexp.config.StatsConfig` and :class:`~hookexp.config.GuardConfig`), driven from optimizer hooks;
+``log(metrics, step)`` gets a log step's values, ``step`` the 0-based index of the optimizer step described.
+Steps, fp16, DDP, spikes, forensics and the noise scale: docs/statistics.md and docs/internals.md, "watch()".
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hookexp.config import GuardConfig, StatsConfig, typed
 from hookexp.errors import ConfigError, did_you_mean
-from hookexp.telemetry.forensics import Forensics, Report, draw
-from hookexp.telemetry.gns import GradientNoiseScale
-from hookexp.telemetry.observer import Observer, Observers
-from hookexp.telemetry.probes import HookEffects, Probes
+from hookexp.telemetry.assemble import Wiring, build_observers
+from hookexp.telemetry.forensics import Report, draw
 from hookexp.telemetry.readback import split_histograms
-from hookexp.telemetry.spike import SpikeRecorder
 
 Log = Callable[[dict[str, Any], int], Any]
 
@@ -73,80 +48,67 @@ def as_logger(log: Any) -> Log | None:
     return to_run
 
 
-class Watch:
-    """What :func:`watch` returns: the statistics probes and the hook specs' effects as observers
-    (:class:`~hookexp.telemetry.observer.Observers`, the trainer's seam), driven from optimizer hooks;
-    :meth:`remove` takes them all away."""
+@dataclass
+class WatchOptions:
+    """What :class:`Watch` takes beside ``stats`` and ``guard``: ``hooks`` (hook specs, as ``attach`` takes them),
+    ``log`` (a W&B run, a callable ``log(metrics, step)`` or None), ``step`` (the index of the next optimizer
+    step), ``before_hook`` (False: the loop calls :meth:`Watch.before_step`), ``gns_batch_size`` (samples per
+    micro-batch; None: measured), ``grad_scale`` (a callable giving fp16's loss scale), ``forensics`` (on or off;
+    None: with a spike recorder) and ``forensics_dir`` (None: the W&B run's directory, else none)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int = 10,
-                 grads: str | None = "*", activations: str | None = None, params: str | None = None,
-                 updates: str | None = None, optimizer_state: str | None = None, group_by: str | None = None,
-                 hist_bins: int = 64, hist_sample: int | None = 4096, hooks: Any = None, log: Any = None,
-                 step: int = 0, before_hook: bool = True, gns: bool = False, gns_ema: float = 0.95,
-                 gns_batch_size: int | None = None, grad_scale: Any = None, spike: Mapping[str, Any] | None = None,
-                 forensics: Mapping[str, Any] | bool | None = None, forensics_dir: str | Path | None = None):
-        for name, value in (("every", every), ("step", step)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "every"):
-                raise ConfigError(f"expected a whole number of optimizer steps, at least {int(name == 'every')}, got "
-                                  f"{value!r}.", key=f"watch({name}=...)")
-        self.every, self.step = every, step
-        self._log = as_logger(log)
-        self._run = log if log is not None and hasattr(log, "log") else None
+    hooks: Any = None
+    log: Any = None
+    step: int = 0
+    before_hook: bool = True
+    gns_batch_size: int | None = None
+    grad_scale: Any = None
+    forensics: bool | None = None
+    forensics_dir: str | Path | None = None
+
+
+class Watch:
+    """What :func:`watch` returns: the observers of ``stats`` and ``guard`` (:func:`build_observers`, as the
+    trainer's), driven from optimizer hooks; :meth:`remove` takes them all away. Errors name a setting as
+    watch's keyword (``watch(<setting>=...)``)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, stats: StatsConfig | None = None,
+                 guard: GuardConfig | None = None, options: WatchOptions | None = None):
+        stats = stats if stats is not None else StatsConfig(hist_bins=WATCH_HIST_BINS)
+        guard = guard if guard is not None else GuardConfig()
+        options = options if options is not None else WatchOptions()
+        step = options.step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"expected a whole number of optimizer steps, at least 0, got {step!r}.",
+                              key="watch(step=...)")
+        self.every, self.step = stats.every, step
+        self._log = as_logger(options.log)
+        self._run = options.log if options.log is not None and hasattr(options.log, "log") else None
         self.last: dict[str, Any] = {}  # the metrics of the last log step
         self.spikes: list[dict[str, Any]] = []  # a row per spike found, as the trainer's spikes.jsonl holds
-        self.forensics_dir = Path(forensics_dir) if forensics_dir is not None else \
+        self.forensics_dir = Path(options.forensics_dir) if options.forensics_dir is not None else \
             Path(self._run.dir) / "forensics" if getattr(self._run, "dir", None) else None
-        # the hooks first: their pre_step specs run before the probes look at the gradients
-        self.hooks = None
-        if hooks:
-            from hookexp.engine import attach
+        with contextlib.ExitStack() as attached:
+            # the hooks first: their pre_step specs run before the probes look at the gradients
+            self.hooks = None
+            if options.hooks:
+                from hookexp.engine import attach
 
-            self.hooks = attach(model, hooks, optimizer, measure=False)
-            self.hooks.set_step(step)  # the specs' every/start_step/end_step count from the loop's step
-            if not before_hook:
-                self.hooks.run_pre_step_by_hand()
-        try:
-            self.probes = Probes(model, optimizer, grads=grads, activations=activations, params=params,
-                                 updates=updates, optimizer_state=optimizer_state, group_by=group_by,
-                                 hist_bins=hist_bins, hist_sample=hist_sample,
-                                 key=lambda setting: f"watch({setting}=...)")
-        except BaseException:
-            if self.hooks is not None:
-                self.hooks.remove()
-            raise
-        named: dict[str, Observer] = {"stats": self.probes}
-        if gns:
-            try:
-                named["gns"] = GradientNoiseScale(model, group_by=group_by, ema=gns_ema, batch_size=gns_batch_size,
-                                                  grad_scale=grad_scale, key=lambda setting: f"watch({setting}=...)")
-            except BaseException:
-                self.probes.close()
-                if self.hooks is not None:
-                    self.hooks.remove()
-                raise
-        if self.hooks is not None:
-            named["hooks"] = HookEffects(self.hooks)
-        try:
-            self.recorder = SpikeRecorder.from_config(
-                spike, [], [], ["grad/global_norm"] if grads else []) if spike is not None else None
-            self.forensics = _forensics(model, optimizer, forensics, on=spike is not None)
-        except BaseException:
-            for o in named.values():
-                o.close()
-            if self.hooks is not None:
-                self.hooks.remove()
-            raise
-        if self.forensics is not None:
-            named["forensics"] = self.forensics
-        if self.recorder is not None:
-            named["spike"] = self.recorder
-            self.recorder.forensics = self.forensics
-        self.observers = Observers(named, optimizer, before_hook=before_hook)
+                self.hooks = attach(model, options.hooks, optimizer, measure=False)
+                attached.callback(self.hooks.remove)
+                self.hooks.set_step(step)  # the specs' every/start_step/end_step count from the loop's step
+                if not options.before_hook:
+                    self.hooks.run_pre_step_by_hand()
+            self.observers = build_observers(model, optimizer, stats, guard, Wiring(
+                hooks=self.hooks, grad_scale=options.grad_scale, gns_batch_size=options.gns_batch_size,
+                forensics=options.forensics, key=watch_key, before_hook=options.before_hook))
+            attached.pop_all()
+        self.probes, self.recorder = self.observers.named["stats"], self.observers.named["spike"]
+        self.forensics = self.observers.named.get("forensics")
         self._handle = optimizer.register_step_post_hook(self._after_step)  # after the observers' own
         self.observers.start(self.step, self.logs(self.step))
 
     def logs(self, step: int) -> bool:
-        return step % self.every == 0 or (self.recorder is not None and self.recorder.logging_every_step(step))
+        return step % self.every == 0 or self.recorder.logging_every_step(step)
 
     def report(self, step: int | None = None) -> Report:
         """Forensics' ranking up to ``step`` (default: the step in progress, or the last one): which target left its
@@ -213,58 +175,81 @@ class Watch:
         self.remove()
 
 
-SETTINGS = ("every", "grads", "activations", "params", "updates", "optimizer_state", "group_by", "hist_bins",
-            "hist_sample", "hooks", "log", "step", "gns", "gns_ema", "gns_batch_size",
-            "grad_scale", "spike", "forensics", "forensics_dir")
-FORENSICS_KEYS = ("window", "z", "top", "updates")
+WATCH_HIST_BINS = 64  # watch() and the callbacks draw histograms by default, as wandb.watch does
+RENAMED = {"optimizer": "optimizer_state"}  # a stats setting whose watch() keyword differs (watch's 2nd argument)
 
 
-def _forensics(model: nn.Module, optimizer: torch.optim.Optimizer, setting: Mapping[str, Any] | bool | None,
-               on: bool) -> Forensics | None:
-    """``forensics=``: True, a mapping of the trainer's ``guard.forensics`` keys, False, or None (on with a
-    spike recorder)."""
-    if setting is None:
-        setting = on
-    if setting is False:
-        return None
-    keys = dict(setting) if isinstance(setting, Mapping) else {}
-    _check_settings(keys, FORENSICS_KEYS, lambda name: f"guard.forensics.{name}")
-    if keys.get("window", 1) == 0:
-        return None
-    return Forensics(model, optimizer, **keys)
+def watch_key(setting: str) -> str:
+    """The ``watch()`` keyword of a ``stats`` setting (errors name it)."""
+    return f"watch({RENAMED.get(setting, setting)}=...)"
 
 
-def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Any) -> None:
+def _rekeyed(error: ConfigError, key: Callable[[str], str]) -> ConfigError:
+    """A check's error on ``stats.<setting>`` (its dataclass names the trainer's key), naming ``key(setting)``."""
+    if not error.key or not error.key.startswith("stats."):
+        return error
+    return ConfigError(str(error)[len(error.key) + 2:], key=key(error.key.removeprefix("stats.")))
+
+
+def stats_of(settings: Mapping[str, Any], key: Callable[[str], str], hist_bins: int = WATCH_HIST_BINS) -> StatsConfig:
+    """``settings`` (``stats`` keys) as a checked :class:`StatsConfig`, errors naming ``key(setting)``."""
+    try:
+        return typed(StatsConfig, {"hist_bins": hist_bins, **settings}, key)
+    except ConfigError as e:
+        raise _rekeyed(e, key) from None
+
+
+def guard_of(spike: Mapping[str, Any] | None, forensics: Mapping[str, Any] | bool | None) -> tuple[GuardConfig, Any]:
+    """The ``guard.spike`` and ``guard.forensics`` keys of watch() and the callbacks, as a :class:`GuardConfig`,
+    and whether forensics is on (None: with a spike recorder)."""
+    node = {"spike": spike or {}, "forensics": forensics if isinstance(forensics, Mapping) else {}}
+    on = True if isinstance(forensics, Mapping) else forensics
+    return typed(GuardConfig, node, lambda name: f"guard.{name}"), on
+
+
+def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Callable[[str], str]) -> None:
     for name in settings:
         if name not in known:
             raise ConfigError(f"unknown setting.{did_you_mean(name, known)} The settings are: {', '.join(known)}.",
                               key=key(name))
 
 
-def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 10, grads: str | None = "*",
-          activations: str | None = None, log: Any = None, **settings: Any) -> Watch:
+STATS_SETTINGS = tuple(RENAMED.get(f.name, f.name) for f in dataclasses.fields(StatsConfig))
+OPTIONS = tuple(f.name for f in dataclasses.fields(WatchOptions) if f.name not in ("log", "before_hook", "forensics"))
+
+
+def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = StatsConfig.every, log: Any = None,
+          **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
-    docstring. ``settings``: params, updates, optimizer_state, group_by, hist_bins (64, as wandb.watch),
-    hist_sample, hooks (hook specs, as ``attach`` takes them), step (the index of the next optimizer step), gns,
-    gns_ema, gns_batch_size, grad_scale (the gradient noise scale), spike and forensics (the trainer's
-    ``guard.spike`` and ``guard.forensics`` keys), forensics_dir."""
-    _check_settings(settings, SETTINGS, lambda name: f"watch({name}=...)")
-    return Watch(model, optimizer, every=every, grads=grads, activations=activations, log=log, **settings)
+    docstring. ``settings``: the trainer's ``stats`` keys (grads, activations, params, updates, optimizer_state
+    for ``stats.optimizer``, group_by, hist_bins (64, as wandb.watch), hist_sample, gns, gns_ema), hooks (hook
+    specs, as ``attach`` takes them), step (the index of the next optimizer step), gns_batch_size, grad_scale,
+    spike and forensics (the trainer's ``guard.spike`` and ``guard.forensics`` keys), forensics_dir; or
+    ``stats=`` a StatsConfig and ``guard=`` a GuardConfig."""
+    _check_settings(settings, (*STATS_SETTINGS, *OPTIONS, "spike", "forensics", "stats", "guard"), watch_key)
+    stats = settings.pop("stats", None)
+    if stats is None:
+        given = {k: settings.pop(k) for k in list(settings) if k in STATS_SETTINGS}
+        given = {{v: k for k, v in RENAMED.items()}.get(k, k): v for k, v in given.items()}
+        stats = stats_of({"every": every, **given}, watch_key)
+    guard, on = guard_of(settings.pop("spike", None), settings.pop("forensics", None))
+    guard = settings.pop("guard", None) or guard
+    return Watch(model, optimizer, stats, guard, WatchOptions(log=log, forensics=on, **settings))
 
 
-STATS_KEYS = ("every", "grads", "activations", "params", "updates", "optimizer", "group_by", "hist_bins",
-              "hist_sample", "gns", "gns_ema", "gns_batch_size")
+CALLBACK_STATS = (*(f.name for f in dataclasses.fields(StatsConfig)), "gns_batch_size")
 
 
-def settings_from(stats: Mapping[str, Any] | None, guard: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A callback's ``stats`` and ``guard`` mappings, with the keys of the trainer's ``stats`` config (``optimizer``
-    for the optimizer state; and ``gns_batch_size``, the samples per micro-batch when the model's forward does not
-    show them) and ``guard.spike`` / ``guard.forensics``, as :class:`Watch` keywords; an unknown key is refused
-    with a did-you-mean."""
+def callback_settings(stats: Mapping[str, Any] | None, guard: Mapping[str, Any] | None
+                      ) -> tuple[StatsConfig, GuardConfig, WatchOptions]:
+    """A callback's ``stats`` and ``guard`` mappings (the keys of the trainer's ``stats`` config, and
+    ``gns_batch_size``, the samples per micro-batch when the model's forward does not show them; ``guard.spike``
+    and ``guard.forensics``), checked: an unknown key is refused with a did-you-mean."""
     stats = dict(stats or {})
-    _check_settings(stats, STATS_KEYS, lambda name: f"stats.{name}")
-    if "optimizer" in stats:
-        stats["optimizer_state"] = stats.pop("optimizer")
+    _check_settings(stats, CALLBACK_STATS, lambda name: f"stats.{name}")
+    batch_size = stats.pop("gns_batch_size", None)
     guard = dict(guard or {})
     _check_settings(guard, ("spike", "forensics"), lambda name: f"guard.{name}")
-    return {**stats, **guard}
+    checked, on = guard_of(guard.get("spike"), guard.get("forensics"))
+    return stats_of(stats, lambda name: f"stats.{name}"), checked, WatchOptions(gns_batch_size=batch_size,
+                                                                                  forensics=on)

@@ -399,7 +399,7 @@ def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
 
     if not isinstance(config, Mapping):
         raise ConfigError(f"must be a mapping (model_type and its fields), got {config!r}.", key="model.config")
-    fields = _plain(config)
+    fields = _plain_containers(config)
     model_type = fields.pop("model_type", None)
     known = list(transformers.CONFIG_MAPPING.keys())
     if model_type is None:
@@ -456,12 +456,12 @@ def hf(config: dict[str, Any] | None = None, pretrained: str | None = None, kind
                           f"model.kind ({', '.join(HF_KINDS)}) or model_type.", key="model.kind") from None
 
 
-def _plain(value: Any) -> Any:
+def _plain_containers(value: Any) -> Any:
     """Plain dicts and lists (Hydra passes nested config nodes), which transformers' configs serialise."""
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain_containers(v) for k, v in value.items()}
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [_plain(v) for v in value]
+        return [_plain_containers(v) for v in value]
     return value
 
 

@@ -25,7 +25,7 @@ from hookexp.errors import ConfigError, did_you_mean
 INPUT_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "x", "inputs", "input")
 
 
-def _describe(output: Any) -> str:
+def _shapes(output: Any) -> str:
     """A model output in words: its type and tensors' shapes (``a tuple (Tensor[4, 1, 65], None)``)."""
     def one(v: Any) -> str:
         return f"Tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__ if v is not None \
@@ -196,7 +196,7 @@ class Task:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             where = ".loss, a mapping's 'loss' or a tuple's one scalar tensor" if how is True else repr(how)
             raise ConfigError(f"the model's output has no loss at {where}; it returned "
-                              f"{_describe(output)}. Pass the targets the model computes its loss from (task.inputs, "
+                              f"{_shapes(output)}. Pass the targets the model computes its loss from (task.inputs, "
                               "e.g. {idx: 'input_ids[:, :-1]', targets: 'input_ids[:, 1:]'}), or point model_loss at "
                               "the loss: a tuple position (1 for (logits, loss)) or a key.", key="task.model_loss")
         return loss.reshape(()).float()

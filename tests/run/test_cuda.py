@@ -11,7 +11,7 @@ import torch
 from conftest import config, read_jsonl
 
 from hookexp.engine import HookHandle
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.run.sinks import Sinks
 from hookexp.run.trainer import Trainer
 from hookexp.telemetry.observer import Observers

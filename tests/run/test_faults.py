@@ -19,7 +19,7 @@ import torch
 from conftest import HELPERS, config, helpers_path, read_jsonl, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 
 STOP = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
 BASE = ["trainer.max_steps=40", "stats.every=3", "stats.hist_bins=4", "hooks=[grad_noise,record_activations]",

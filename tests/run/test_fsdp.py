@@ -22,7 +22,8 @@ from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, ConfigError, HookCompatibilityError
 from hookexp.run import distributed, launchers
-from hookexp.run.loop import dry_run, train
+from hookexp.run.loop import dry_run
+from hookexp.run.loop import run_job as train
 
 # No biases: the key part of attn.qkv.bias has a gradient that is zero but for rounding (softmax ignores a key
 # bias), whose signs (frac_neg) differ with the order of any sum, sharded or not.

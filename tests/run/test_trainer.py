@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 from hookexp.engine import HookHandle, SpecBinding
 from hookexp.errors import ConfigError, NonFiniteError
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.telemetry.probes import Probes
 from hookexp.telemetry.stats import TensorStats
 

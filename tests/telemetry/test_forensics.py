@@ -15,7 +15,7 @@ from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
 from hookexp.errors import ConfigError, NonFiniteError
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.telemetry.forensics import Forensics, Target, draw
 from hookexp.telemetry.observer import Observers
 
@@ -196,7 +196,7 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path: Path, key: str, value
                                                    (["guard.nan_policy=off"], False),
                                                    (["guard.nan_policy=off", "guard.spike.metric=train/loss"], True)])
 def test_it_is_on_wherever_the_guard_or_the_spike_recorder_is(tmp_path: Path, monkeypatch, settings, built):
-    import hookexp.run.observers as observers
+    import hookexp.telemetry.assemble as observers
 
     made = []
     monkeypatch.setattr(observers, "Forensics", lambda *a, **k: made.append(Forensics(*a, **k)) or made[-1])

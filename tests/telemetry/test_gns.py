@@ -15,11 +15,12 @@ from frameworks import capture_logger, hf_model, hf_trainer, lightning_module
 
 import hookexp
 from hookexp import ConfigError
+from hookexp.config import StatsConfig
 from hookexp.run import compose
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.telemetry.gns import GradientNoiseScale
 from hookexp.telemetry.observer import Observers
 
@@ -66,7 +67,7 @@ def run_steps(model, steps: list[list], ema: float) -> list[dict]:
     """Train ``steps`` (each a list of micro-batches, losses divided by their number) with the noise scale as the
     trainer drives it (Observers with the optimizer's hooks); every step's read-back."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    gns = GradientNoiseScale(model, group_by=r"re:^\d", ema=ema)
+    gns = GradientNoiseScale(model, StatsConfig(group_by=r"re:^\d", gns_ema=ema))
     observers = Observers({"gns": gns}, optimizer)
     rows = []
     for step, batches in enumerate(steps):
@@ -149,13 +150,11 @@ def test_the_trainer_refuses_stats_gns_without_accumulation_or_ranks(tmp_path: P
 
 
 def test_fsdp_is_refused_naming_the_strategy_that_works():
-    from types import SimpleNamespace
 
-    from hookexp.run.observers import noise_scale
+    from hookexp.telemetry.assemble import Wiring, check_noise_scale
 
-    parts = SimpleNamespace(ranks=Dist(world_size=2, strategy="fsdp"), accumulate=4, model=mlp())
     with pytest.raises(ConfigError) as e:
-        noise_scale(compose("stats.gns=true"), parts, None)
+        check_noise_scale(StatsConfig(gns=True), Wiring(ranks=Dist(world_size=2, strategy="fsdp"), accumulate=4))
     assert str(e.value) == (
         "stats.gns: the gradient noise scale needs each rank's own micro-batch gradients, and FSDP2 never holds them "
         "(every micro-batch's gradient is reduce-scattered over the ranks at once). Train with trainer.strategy=ddp, "
@@ -212,7 +211,8 @@ def test_the_loss_scale_is_divided_out_of_the_micro_batch_gradients():
     want = by_hand(model, batches, {"": GROUPS[""]})[""]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scale = torch.tensor(1024.0, dtype=torch.float64)
-    observers = Observers({"gns": GradientNoiseScale(model, ema=0.0, grad_scale=lambda: scale)}, optimizer)
+    gns = GradientNoiseScale(model, StatsConfig(gns_ema=0.0), grad_scale=lambda: scale)
+    observers = Observers({"gns": gns}, optimizer)
     observers.start(0, True)
     for x, y in batches:
         (torch.nn.functional.cross_entropy(model(x), y) / 3 * scale).backward()

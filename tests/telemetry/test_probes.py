@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hookexp import ConfigError, TargetError
+from hookexp.config import StatsConfig
 from hookexp.telemetry.observer import Observers
 from hookexp.telemetry.probes import Probes
 from hookexp.telemetry.readback import read
@@ -49,7 +50,7 @@ def close(a: float, b: float, rel: float = 1e-9) -> bool:
 
 def probes_on(model, opt, **settings):
     """Probes driven as the trainer and watch() drive them: by an Observers' optimizer hooks."""
-    probes = Probes(model, opt, **settings)
+    probes = Probes(model, opt, StatsConfig(**settings))
     return probes, Observers({"stats": probes}, opt)
 
 
@@ -70,7 +71,7 @@ def test_every_family_equals_a_hand_computation_over_two_steps(optim: str):
     hand_opt = (torch.optim.SGD(hand_model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd"
                 else torch.optim.AdamW(hand_model.parameters(), lr=0.01, weight_decay=0.1))
     probes, observers = probes_on(model, opt, grads="*", activations="blocks.?", params="*", updates="*",
-                                  optimizer_state="*", group_by=r"re:^blocks\.\d+")
+                                  optimizer="*", group_by=r"re:^blocks\.\d+")
     states = ["momentum_buffer"] if optim == "sgd" else ["exp_avg", "exp_avg_sq"]
     for step in range(2):
         x, y = data(step)
@@ -173,15 +174,15 @@ def test_histograms_only_for_gradients_and_activations():
 def test_bad_settings_name_their_key():
     model, opt = make("sgd")
     with pytest.raises(ConfigError, match=r"^stats\.group_by: expected a 're:' regular expression"):
-        Probes(model, opt, group_by="blocks.*")
+        Probes(model, opt, StatsConfig(group_by="blocks.*"))
     with pytest.raises(ConfigError, match=r"^stats\.group_by: 're:\(' is not a valid regular expression"):
-        Probes(model, opt, group_by="re:(")
+        Probes(model, opt, StatsConfig(group_by="re:("))
     with pytest.raises((ConfigError, TargetError), match=r"stats\.activations.*Did you mean 'blocks\.0'"):
-        Probes(model, opt, activations="block.0")
+        Probes(model, opt, StatsConfig(activations="block.0"))
     with pytest.raises((ConfigError, TargetError), match=r"stats\.updates"):
-        Probes(model, opt, updates="nothing_here")
+        Probes(model, opt, StatsConfig(updates="nothing_here"))
     with pytest.raises(ConfigError, match=r"^Probes\(optimizer=\.\.\.\): .*pass the optimizer"):
-        Probes(model, None, grads="*")
+        Probes(model, None, StatsConfig(grads="*"))
 
 
 def test_observers_hook_the_optimizer_only_for_observers_that_act_around_the_update():

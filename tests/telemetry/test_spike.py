@@ -10,7 +10,7 @@ import torch
 from conftest import HELPERS, config, read_jsonl
 
 from hookexp.errors import ConfigError
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.telemetry.spike import SpikeRecorder
 
 SPIKE = ["guard.spike.metric=train/loss", "guard.spike.window=2", "guard.spike.threshold=3", "guard.spike.steps=3",

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from hookexp.errors import ConfigError
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 from hookexp.workloads.models import GPT
 from hookexp.workloads.schedules import constant
 

@@ -1,15 +1,8 @@
 """Where metrics go: always local files in the run directory, and the backend ``logger._target_`` names
 (``logger=wandb``: :class:`WandbSink`, ``logger=tensorboard``: :class:`TensorBoardSink`, ``logger=none``: none).
 
-Every sink implements :class:`Sink` and gets the same dict for the same step, so the local files and the
-backend hold the same numbers: the scalars in ``metrics.jsonl``, the histograms in ``histograms.jsonl`` (bin
-edges and counts, as W&B stores them). ``wandb`` and ``tensorboard`` are imported only by their sinks, only
-when they are used.
-
-Modules: :mod:`~hookexp.run.sinks.base` (the :class:`Sink` protocol, :class:`RunInfo`),
-:mod:`~hookexp.run.sinks.files` (the local files), :mod:`~hookexp.run.sinks.wandb`,
-:mod:`~hookexp.run.sinks.tensorboard`, :mod:`~hookexp.run.sinks.backends` (choosing the backend) and
-:mod:`~hookexp.run.sinks.fanout` (:class:`Sinks`).
+Every sink implements :class:`Sink` and gets the same dict for the same step; ``wandb`` and ``tensorboard``
+are imported only by their sinks, only when used. The modules: docs/internals.md, "Sinks".
 """
 
 from __future__ import annotations

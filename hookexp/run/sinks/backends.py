@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hookexp.config import LoggerConfig, typed
 from hookexp.errors import ConfigError, MissingExtraError
 from hookexp.run.sinks.base import RunInfo, Sink
 from hookexp.run.sinks.wandb import WandbSink
@@ -49,11 +50,14 @@ def check_logger(cfg: Mapping[str, Any]) -> None:
 def make_backend(cfg: Mapping[str, Any], run: RunInfo) -> Sink | None:
     """The sink ``logger._target_`` names, made the way Hydra instantiates a ``_target_`` node: the class gets
     ``run`` and those ``logger`` keys its constructor names (the schema holds W&B's keys for every backend; a
-    backend that does not name them does not get them). None for ``logger=none``."""
+    backend that does not name them does not get them), or the whole ``logger`` config as one
+    :class:`~hookexp.config.LoggerConfig` when it names ``logger``. None for ``logger=none``."""
     backend = backend_class(cfg)
     if backend is None:
         return None
     params = inspect.signature(backend).parameters
+    if "logger" in params:
+        return backend(run, typed(LoggerConfig, cfg, lambda name: f"logger.{name}"))  # type: ignore[no-any-return]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     args = {k: v for k, v in cfg.items() if k != "_target_" and (takes_any or k in params)}
     return backend(run, **args)  # type: ignore[no-any-return]

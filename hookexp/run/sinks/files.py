@@ -28,7 +28,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _plain(value: Any) -> Any:
+def _numpy_to_list(value: Any) -> Any:
     """numpy values for the ``json`` fallback of :func:`_dumps` (orjson writes them itself, with
     OPT_SERIALIZE_NUMPY); anything else is refused."""
     if isinstance(value, (np.generic, np.ndarray)):
@@ -40,9 +40,9 @@ def _dumps(row: Mapping[str, Any]) -> bytes:
     """One JSON line. orjson writes a log step's ~100 floats ten times faster than ``json`` (the same
     shortest round-trip text); it writes NaN and Inf as null, so a line with a null is written again
     by ``json`` with "nan", "inf" strings (JSON has no literal for them)."""
-    line = orjson.dumps(row, default=_plain, option=orjson.OPT_SERIALIZE_NUMPY)
+    line = orjson.dumps(row, default=_numpy_to_list, option=orjson.OPT_SERIALIZE_NUMPY)
     if b"null" in line:
-        return json.dumps({k: _jsonable(v) for k, v in row.items()}, default=_plain).encode()
+        return json.dumps({k: _jsonable(v) for k, v in row.items()}, default=_numpy_to_list).encode()
     return line
 
 

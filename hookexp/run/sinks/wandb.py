@@ -7,12 +7,13 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hookexp.config import LoggerConfig
 from hookexp.run.sinks.base import STEP_KEY, Histograms, RunInfo
 
 log = logging.getLogger("hookexp.sinks")
@@ -29,8 +30,8 @@ def wandb_mode(mode: str) -> str:
 class WandbSink:
     """One W&B run per job (``logger=wandb``). ``mode=offline`` writes it under ``<run_dir>/wandb``; an unreachable
     server in ``online`` mode falls back to offline with one warning instead of killing training; ``disabled``
-    (or ``WANDB_MODE=disabled``): this sink does nothing and W&B is not imported. The arguments are the
-    ``logger`` keys; the W&B tags are ``tags`` and the names of the enabled hook specs.
+    (or ``WANDB_MODE=disabled``): this sink does nothing and W&B is not imported. ``logger``: the ``logger``
+    config (None: its defaults); the W&B tags are ``tags`` and the names of the enabled hook specs.
 
     ``run.log`` costs milliseconds of Python for a log step with many keys, so it runs on one worker
     thread that consumes an ordered queue (while the training thread is inside torch's kernels,
@@ -42,9 +43,9 @@ class WandbSink:
 
     QUEUE_SIZE = 32
 
-    def __init__(self, run: RunInfo, *, mode: str = "offline", project: str | None = "hookexp",
-                 entity: str | None = None, group: str | None = None, job_type: str | None = "train",
-                 name: str | None = None, tags: Sequence[str] = (), init_timeout: float = 30.0, quiet: bool = True):
+    def __init__(self, run: RunInfo, logger: LoggerConfig | None = None):
+        cfg = logger if logger is not None else LoggerConfig()
+        mode, tags, quiet = cfg.mode, cfg.tags, cfg.quiet
         self.run: Any = None
         self._hists: tuple[int, dict[str, Any]] | None = None
         self._error: BaseException | None = None
@@ -58,11 +59,11 @@ class WandbSink:
         self._wandb = wandb
         run_dir = run.run_dir
         tags = [*tags, *(row["spec"] for row in run.hooks_table if row["enabled"])]
-        kwargs = dict(project=project or "hookexp", entity=entity, group=group, job_type=job_type, name=name,
-                      tags=tags, config=run.config, dir=str(run_dir), reinit="finish_previous")
+        kwargs = dict(project=cfg.project or "hookexp", entity=cfg.entity, group=cfg.group, job_type=cfg.job_type,
+                      name=cfg.name, tags=tags, config=run.config, dir=str(run_dir), reinit="finish_previous")
         if run.resume and run.resume.get("id"):  # a resumed run continues its W&B run
             kwargs.update(id=run.resume["id"], resume="allow")
-        timeout = float(init_timeout)
+        timeout = float(cfg.init_timeout)
         if resolved == "online":
             base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
             if not _answers(base_url, timeout):  # never start an online run that would hang init and the exit

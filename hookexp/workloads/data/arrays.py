@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hookexp.errors import ConfigError
-from hookexp.workloads.data.splits import Splits, TensorSet, _positive, _split_one, check_fraction
+from hookexp.workloads.data.splits import Splits, TensorSet, _split_one, check_count, check_fraction
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, split_seed: int, info: dict[str, Any]) -> Splits:
@@ -39,8 +39,8 @@ def synthetic(n: int = 2048, channels: int = 3, image_size: int = 8, num_classes
               val_fraction: float = 0.2, split_seed: int = 0) -> Splits:
     """Gaussian images labelled by a fixed random linear teacher: learnable, seeded, any size."""
     for name, value in (("n", n), ("channels", channels), ("image_size", image_size)):
-        _positive(name, value)
-    _positive("num_classes", num_classes, 2)
+        check_count(name, value)
+    check_count("num_classes", num_classes, 2)
     gen = torch.Generator().manual_seed(split_seed)
     x = torch.randn(n, channels, image_size, image_size, generator=gen)
     teacher = torch.randn(channels * image_size * image_size, num_classes, generator=gen)
@@ -58,7 +58,7 @@ def synthetic_regression(n: int = 2048, input_dim: int = 16, output_dim: int = 1
     (32 tanh units) keeps the task out of reach of a linear model, so depth and hooks matter.
     """
     for name, value in (("n", n), ("input_dim", input_dim), ("output_dim", output_dim)):
-        _positive(name, value)
+        check_count(name, value)
     if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
         raise ConfigError(f"must be a number of at least 0, got {noise!r}.", key="data.noise")
     gen = torch.Generator().manual_seed(split_seed)

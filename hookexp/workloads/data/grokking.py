@@ -7,7 +7,7 @@ import math
 import torch
 
 from hookexp.errors import ConfigError, did_you_mean
-from hookexp.workloads.data.splits import Splits, TensorSet, _positive, check_fraction, whole_batch
+from hookexp.workloads.data.splits import Splits, TensorSet, check_count, check_fraction, whole_batch
 
 OPS = ("add", "sub", "mul", "div")
 
@@ -31,7 +31,7 @@ def modular_addition(p: int = 97, op: str = "add", train_fraction: float = 0.5, 
     exactly one of train and val. ``info``: vocab_size = num_classes = p+2 (the head predicts a token),
     block_size = 4.
     """
-    _positive("p", p, 2)
+    check_count("p", p, 2)
     if op not in OPS:
         raise ConfigError(f"unknown operation {op!r}.{did_you_mean(op, OPS)} Use one of {', '.join(OPS)}.",
                           key="data.op")

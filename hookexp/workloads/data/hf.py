@@ -10,7 +10,7 @@ import torch
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.workloads.data.collate import PadCollate
 from hookexp.workloads.data.local import _base_dir, _existing, _hf_tokenizer, _import
-from hookexp.workloads.data.splits import Splits, _positive, _split_one
+from hookexp.workloads.data.splits import Splits, _split_one, check_count
 from hookexp.workloads.data.text import CharTokenizer, TokenWindows
 
 
@@ -68,9 +68,9 @@ def hf_disk(path: str | None = None, builder: str | None = None, data_files: Any
     """
     datasets = _import("datasets", "data", "data=hf_disk")
     if block_size is not None:
-        _positive("block_size", block_size)
+        check_count("block_size", block_size)
     if max_length is not None:
-        _positive("max_length", max_length)
+        check_count("max_length", max_length)
     loaded = _load_hf(datasets, path, builder, data_files)
     if isinstance(loaded, Mapping):
         if "train" not in loaded:

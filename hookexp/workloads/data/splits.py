@@ -82,17 +82,17 @@ def as_splits(obj: Any, val_fraction: float = 0.2, seed: int = 0, key: str = "da
     if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(_is_dataset(o) for o in obj):
         return _pair(obj[0], obj[1], key)
     if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(o, torch.Tensor) for o in obj):
-        raise ConfigError(f"returned a pair of tensors {_describe(obj)}, read as (train, val) data sets. For inputs "
+        raise ConfigError(f"returned a pair of tensors {_shown(obj)}, read as (train, val) data sets. For inputs "
                           "and labels return hookexp.workloads.data.TensorSet(x, y) (or "
                           "torch.utils.data.TensorDataset(x, y)), "
                           f"which is split by data.val_fraction. Accepted: {ACCEPTED}.", key=key)
     if _is_dataset(obj):
         return _split_one(obj, val_fraction, seed, key)
-    raise ConfigError(f"returned {_describe(obj)}, which is not training and validation data. Return one of: "
+    raise ConfigError(f"returned {_shown(obj)}, which is not training and validation data. Return one of: "
                       f"{ACCEPTED}.", key=key)
 
 
-def _describe(obj: Any) -> str:
+def _shown(obj: Any) -> str:
     text = repr(obj).replace("\n", " ")
     text = text if len(text) <= 80 else text[:77] + "..."
     return f"a {type(obj).__module__}.{type(obj).__qualname__} ({text})" if obj is not None else "None"
@@ -119,7 +119,7 @@ def _is_iterable_only(obj: Any) -> bool:
 def _checked(ds: Any, key: str, which: str) -> Any:
     """``ds`` as hookexp uses it (HF sets as torch tensors); a clear error for a non-data set or an empty one."""
     if not _is_dataset(ds):
-        raise ConfigError(f"the {which} set is {_describe(ds)}, not a data set. Accepted: {ACCEPTED}.", key=key)
+        raise ConfigError(f"the {which} set is {_shown(ds)}, not a data set. Accepted: {ACCEPTED}.", key=key)
     if _is_hf(ds) and getattr(ds, "format", {}).get("type") is None:
         ds = ds.with_format("torch")
     if not _is_iterable_only(ds) and len(ds) == 0:
@@ -223,7 +223,7 @@ def _split_one(ds: Any, val_fraction: float, seed: int, key: str) -> Splits:
     return Splits(Subset(ds, train_idx.tolist()), Subset(ds, val_idx.tolist()))
 
 
-def _positive(name: str, value: Any, minimum: int = 1) -> int:
+def check_count(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"must be an integer of at least {minimum}, got {value!r}.", key=f"data.{name}")
     return value

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from hookexp.errors import ConfigError
 from hookexp.workloads.data.local import _existing, _hf_tokenizer
-from hookexp.workloads.data.splits import Splits, _positive, check_fraction
+from hookexp.workloads.data.splits import Splits, check_count, check_fraction
 
 
 class CharTokenizer:
@@ -75,8 +75,8 @@ def text_file(path: str, block_size: int = 128, tokenizer: str = "char", val_fra
     every ``stride`` tokens (default ``block_size``: each token seen once an epoch); validation windows never
     overlap. ``info``: vocab_size, block_size (and vocab for char, pad_id when the tokenizer has one).
     """
-    _positive("block_size", block_size)
-    stride = block_size if stride is None else _positive("stride", stride)
+    check_count("block_size", block_size)
+    stride = block_size if stride is None else check_count("stride", stride)
     val_fraction = check_fraction(val_fraction, "data.val_fraction")
     file = _existing(path, "data.path", "a UTF-8 text file")
     if not file.is_file():
