@@ -73,7 +73,6 @@ def second_literals(fields: dict[str, Any]) -> list[str]:
 PENDING = {
     config.SpikeConfig: "lands with the spike recorder's rewrite (spike.py and from_config read SpikeConfig)",
     config.ForensicsConfig: "lands with the forensics rewrite (Forensics reads ForensicsConfig)",
-    HookSpec: "lands with the engine's parse_spec reading HookSpec's defaults",
 }
 CLASSES = [config.TrainerConfig, config.FsdpConfig, config.StatsConfig, config.GuardConfig, config.LoggerConfig,
            config.ReproConfig, config.HookexpConfig, config.SpikeConfig, config.ForensicsConfig, HookSpec]

@@ -164,6 +164,7 @@ def test_the_signature_check_counts_keyword_only_parameters_and_not_self():
 SAME_MEANING = {
     "HookexpCallback": "the callback of each framework (integrations/lightning.py, integrations/hf.py): one role",
     "__dir__": "the lazy exports of a package (hookexp, hookexp.engine): one protocol",
+    "__getattr__": "the lazy exports of a package (hookexp, hookexp.engine): one protocol",
     "_EXPORTS": "the lazy exports of a package (hookexp, hookexp.engine): one protocol",
     "main": "the entry point of a console command (cli, report, ablate)",
 }

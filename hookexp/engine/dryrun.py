@@ -104,7 +104,7 @@ def _loss(output: Any, batch: Any, loss_fn: Callable[..., torch.Tensor] | None, 
     return out.float().sum()
 
 
-def _forward(model: nn.Module, batch: Any) -> Any:
+def _default_forward(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch)
     return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
@@ -125,7 +125,7 @@ def check_on_batch(model: nn.Module, specs: SpecsLike, example_batch: Any,
     """
     report = ValidationReport()
     was_training = model.training
-    call = forward or _forward
+    call = forward or _default_forward
     handle = attach(model, specs, optimizer, measure=False)
     try:
         with handle.unscheduled():

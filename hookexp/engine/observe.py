@@ -17,6 +17,7 @@ from typing import Any, Literal
 from torch import nn
 
 from hookexp.engine.kinds import eager, refuse_compiled
+from hookexp.engine.schema import HookSpec
 from hookexp.engine.targets import match
 
 
@@ -49,7 +50,7 @@ class OutputHooks:
 
 
 def output_hooks(model: nn.Module, pattern: str, fn: Callable[[str, Any], None], *, key: str,
-                 phase: Literal["train", "eval", "both"] = "train", on: bool = True) -> OutputHooks:
+                 phase: Literal["train", "eval", "both"] = HookSpec.phase, on: bool = True) -> OutputHooks:
     """Call ``fn(name, output)`` after every forward of each module of ``model`` that ``pattern`` matches,
     in training mode (``phase``: ``"eval"``, ``"both"``), while the returned hooks are ``on``. ``fn`` must
     not change ``output`` (its return value is ignored). A pattern that matches nothing raises a

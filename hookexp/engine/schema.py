@@ -54,11 +54,11 @@ class HookSpec:
 
 
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(HookSpec) if f.name != "name")
-REQUIRED = tuple(f.name for f in dataclasses.fields(HookSpec)
+REQUIRED_FIELDS = tuple(f.name for f in dataclasses.fields(HookSpec)
                  if f.name != "name" and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 # what a spec that leaves a field out gets: HookSpec's defaults, the one place they are written
 DEFAULTS = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(HookSpec) if f.name != "name" and f.name not in REQUIRED}
+            for f in dataclasses.fields(HookSpec) if f.name != "name" and f.name not in REQUIRED_FIELDS}
 
 
 def config_fields(missing: Any) -> list[tuple[str, Any, Any]]:
@@ -232,7 +232,7 @@ def check_spec(name: str, raw: Mapping[str, Any] | HookSpec, *, kinds: Collectio
             err(f"unknown field {key!r}.{did_you_mean(key, SPEC_FIELDS)} A spec has the fields: "
                 f"{', '.join(SPEC_FIELDS)}.", key)
     raw = {**DEFAULTS, **raw}
-    for key in REQUIRED:
+    for key in REQUIRED_FIELDS:
         if raw.get(key) is None:
             err(f"missing required field {key!r}. Every spec needs 'target' (a module or parameter name, glob, "
                 f"'re:' pattern or @alias) and 'kind' (one of {', '.join(kinds)}).", key)

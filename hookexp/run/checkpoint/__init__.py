@@ -13,12 +13,20 @@ from __future__ import annotations
 
 from hookexp.run.checkpoint.checkpointer import Checkpointer, finite_parameters
 from hookexp.run.checkpoint.config_diff import config_changes
-from hookexp.run.checkpoint.files import FORMAT, REQUIRED, WEIGHTS, atomic_save, fsync_dir, read_checked, save_to
+from hookexp.run.checkpoint.files import (
+           FORMAT,
+           REQUIRED_ENTRIES,
+           WEIGHTS,
+           atomic_save,
+           fsync_dir,
+           read_checked,
+           save_to,
+)
 from hookexp.run.checkpoint.rng import rng_state, set_rng_state
 from hookexp.run.checkpoint.sharded import SHARDED_REQUIRED
 from hookexp.run.checkpoint.state import LoopState, Stateful
 from hookexp.run.checkpoint.writable import require_writable
 
-__all__ = ["FORMAT", "REQUIRED", "SHARDED_REQUIRED", "WEIGHTS", "Checkpointer", "LoopState", "Stateful",
+__all__ = ["FORMAT", "REQUIRED_ENTRIES", "SHARDED_REQUIRED", "WEIGHTS", "Checkpointer", "LoopState", "Stateful",
            "atomic_save", "config_changes", "finite_parameters", "fsync_dir", "read_checked", "require_writable",
            "rng_state", "save_to", "set_rng_state"]

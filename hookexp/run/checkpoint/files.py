@@ -17,7 +17,7 @@ from hookexp.run.rundir import CLI, Launch
 FORMAT = 2
 
 
-REQUIRED = ("format", "config", "loop", "rng", "model", "optimizer", "hooks")
+REQUIRED_ENTRIES = ("format", "config", "loop", "rng", "model", "optimizer", "hooks")
 
 
 WEIGHTS = ("model", "optimizer")  # restored first, before hooks and probes are attached (restore_weights)
@@ -66,7 +66,7 @@ def _unusable(path: Path, why: str, previous: Path, launch: Launch = CLI) -> Che
                            key=launch.resume_key)
 
 
-def read_checked(path: Path, required: tuple[str, ...] = REQUIRED, previous: Path | None = None,
+def read_checked(path: Path, required: tuple[str, ...] = REQUIRED_ENTRIES, previous: Path | None = None,
                  launch: Launch = CLI) -> dict[str, Any]:
     """A checkpoint's contents after checking its CRCs, format and entries; CheckpointError naming the file."""
     def bad(why: str) -> CheckpointError:
