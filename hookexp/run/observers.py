@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from hookexp.config import ForensicsConfig, SpikeConfig
 from hookexp.engine import HookHandle
 from hookexp.errors import ConfigError
 from hookexp.telemetry.forensics import Forensics
@@ -121,16 +122,16 @@ def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scal
         rows = hooks.table()
         watchable = [*meter.keys(), *(["grad/global_norm"] if probes.grads else []),
                      *(["grad/pre_clip_norm"] if clip is not None else [])]
-        spike = guard.get("spike")
-        recorder = SpikeRecorder.from_config(
-            OmegaConf.to_container(spike, resolve=True) if isinstance(spike, DictConfig) else spike,
-            [r["spec"] for r in rows if r["transform"] == "record" and r["enabled"]], [r["spec"] for r in rows],
-            watchable)
-        forensics = guard.forensics
+        per_step = not ranks.enabled  # under DDP/FSDP the ranks' step values differ: judged on the log steps
+        recorder = SpikeRecorder(
+            SpikeConfig(**_plain(guard.get("spike"))), model if per_step else None, meter if per_step else None,
+            metrics=watchable, record_specs=[r["spec"] for r in rows if r["transform"] == "record" and r["enabled"]],
+            specs=[r["spec"] for r in rows])
+        forensics = ForensicsConfig(**_plain(guard.get("forensics")))
         if forensics.window and (guard.nan_policy != "off" or recorder.enabled):
-            named["forensics"] = recorder.forensics = nonfinite.forensics = Forensics(
-                model, parts.optimizer, window=forensics.window, z=forensics.z, top=forensics.top,
-                updates=forensics.updates)
+            named["forensics"] = recorder.forensics = nonfinite.forensics = Forensics(model, parts.optimizer,
+                                                                                      forensics)
+        named["spike"] = recorder  # before the clip: it judges the gradients' norm before the clip
         if clip is not None:
             named["clip"] = GradClip(model, clip)  # after the statistics and forensics: they see unclipped gradients
     except BaseException:
@@ -139,4 +140,11 @@ def trainer_observers(cfg: DictConfig, parts: Any, hooks: HookHandle, grads_scal
             gns.close()
         raise
     recorder.pause_records(hooks)
-    return Observers({**named, "spike": recorder}, parts.optimizer)
+    return Observers(named, parts.optimizer)
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    """A config group (DictConfig, mapping or None) as keyword arguments of its dataclass."""
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    return dict(node or {})

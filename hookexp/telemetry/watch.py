@@ -38,12 +38,14 @@ them; ``gns_ema`` smooths; ``grad_scale`` (a callable) gives fp16's loss scale w
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hookexp.config import ForensicsConfig, SpikeConfig
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.forensics import Forensics, Report, draw
 from hookexp.telemetry.gns import GradientNoiseScale
@@ -127,8 +129,7 @@ class Watch:
         if self.hooks is not None:
             named["hooks"] = HookEffects(self.hooks)
         try:
-            self.recorder = SpikeRecorder.from_config(
-                spike, [], [], ["grad/global_norm"] if grads else []) if spike is not None else None
+            self.recorder = _recorder(model, spike, grads) if spike is not None else None
             self.forensics = _forensics(model, optimizer, forensics, on=spike is not None)
         except BaseException:
             for o in named.values():
@@ -216,7 +217,8 @@ class Watch:
 SETTINGS = ("every", "grads", "activations", "params", "updates", "optimizer_state", "group_by", "hist_bins",
             "hist_sample", "hooks", "log", "step", "gns", "gns_ema", "gns_batch_size",
             "grad_scale", "spike", "forensics", "forensics_dir")
-FORENSICS_KEYS = ("window", "z", "top", "updates")
+FORENSICS_KEYS = tuple(f.name for f in fields(ForensicsConfig))
+SPIKE_KEYS = tuple(f.name for f in fields(SpikeConfig))
 
 
 def _forensics(model: nn.Module, optimizer: torch.optim.Optimizer, setting: Mapping[str, Any] | bool | None,
@@ -229,9 +231,15 @@ def _forensics(model: nn.Module, optimizer: torch.optim.Optimizer, setting: Mapp
         return None
     keys = dict(setting) if isinstance(setting, Mapping) else {}
     _check_settings(keys, FORENSICS_KEYS, lambda name: f"guard.forensics.{name}")
-    if keys.get("window", 1) == 0:
-        return None
-    return Forensics(model, optimizer, **keys)
+    config = ForensicsConfig(**keys)
+    return Forensics(model, optimizer, config) if config.window else None
+
+
+def _recorder(model: nn.Module, spike: Mapping[str, Any], grads: str | None) -> SpikeRecorder:
+    """``spike=``: the trainer's ``guard.spike`` keys; the gradients' norm is judged every step."""
+    keys = dict(spike)
+    _check_settings(keys, SPIKE_KEYS, lambda name: f"guard.spike.{name}")
+    return SpikeRecorder(SpikeConfig(**keys), model, metrics=["grad/global_norm"] if grads else [])
 
 
 def _check_settings(settings: Mapping[str, Any], known: tuple[str, ...], key: Any) -> None:

@@ -14,6 +14,7 @@ from conftest import HELPERS, config, has_module, read_jsonl
 from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
+from hookexp.config import ForensicsConfig
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.run.loop import train
 from hookexp.telemetry.forensics import Forensics, Target, draw
@@ -116,7 +117,7 @@ def test_the_buffer_holds_what_plain_torch_gives():
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.Adam(net.parameters(), lr=0.1)
-    forensics = Forensics(net, opt, window=4, updates=True)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4, updates=True))
     observers = Observers({"forensics": forensics}, opt)
     xs = [torch.randn(5, 3) for _ in range(3)]
     want = []
@@ -156,7 +157,7 @@ def test_the_buffer_holds_what_plain_torch_gives():
 def test_the_ring_keeps_the_last_window_steps_and_validation_is_not_recorded():
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    forensics = Forensics(net, opt, window=4)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4))
     observers = Observers({"forensics": forensics}, opt)
     for step in range(7):
         observers.start(step, False)
@@ -174,11 +175,14 @@ def test_the_ring_keeps_the_last_window_steps_and_validation_is_not_recorded():
 def test_a_blip_long_before_the_event_is_noise_not_the_onset():
     from hookexp.telemetry.forensics import _onset
 
-    assert _onset([False, True, False, False, False, False, True]) == 6
-    assert _onset([False, True, True, False, True, True]) == 1  # one normal step inside a run keeps it one run
-    assert _onset([True, False, False, True]) == 3  # two end it
-    assert _onset([True, False, False, False, False]) is None
-    assert _onset([False] * 5) is None
+    assert _onset([False, True, False, False, False, False, True], lookback=2) == 6
+    assert _onset([False, True, True, False, True, True], lookback=2) == 1  # one normal step inside keeps it one run
+    assert _onset([True, False, False, True], lookback=2) == 3  # two end it
+    assert _onset([True, False, False, False, False], lookback=2) is None
+    assert _onset([False] * 5, lookback=2) is None
+    # a cause of a step or two whose effect lasts: a blip within lookback steps of the event is its onset
+    assert _onset([False, True, False, False, False, False, True], lookback=5) == 1
+    assert _onset([False, False, True, True, False, False, False, False], lookback=5) == 2
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -207,7 +211,7 @@ def test_it_is_on_wherever_the_guard_or_the_spike_recorder_is(tmp_path: Path, mo
 def test_draw_writes_a_heatmap(tmp_path: Path):
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    forensics = Forensics(net, opt, window=8)
+    forensics = Forensics(net, opt, ForensicsConfig(window=8))
     observers = Observers({"forensics": forensics}, opt)
     for step in range(8):
         observers.start(step, False)
@@ -316,11 +320,11 @@ def test_the_hf_callback_names_the_module_that_went_first(tmp_path: Path):
 
 
 def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
-    """A tensor's norm is reused while it is unchanged; ReLU(inplace=True) changes it in place."""
+    """ReLU(inplace=True) overwrites fc's output: fc's norm is taken before it runs."""
     torch.manual_seed(0)
     net = nn.Sequential(OrderedDict(fc=nn.Linear(4, 8), relu=nn.ReLU(inplace=True), out=nn.Linear(8, 2)))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    forensics = Forensics(net, opt, window=4)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4))
     observers = Observers({"forensics": forensics}, opt)
     x = torch.randn(16, 4)
     observers.start(0, False)
@@ -332,5 +336,5 @@ def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
     rms = lambda t: float(t.norm() / math.sqrt(t.numel()))  # noqa: E731
     assert forensics.layout[:3] == [Target(m, "output") for m in ("fc", "relu", "out")]
     assert norms[0, :2].tolist() == pytest.approx([rms(h), rms(h.relu())], rel=1e-6)
-    assert ins[0].tolist() == pytest.approx([rms(x), rms(h.relu()), rms(h.relu())], rel=1e-6)
+    assert ins[0].tolist() == pytest.approx([rms(x), rms(h), rms(h.relu())], rel=1e-6)  # relu's input as it came
     observers.close()
