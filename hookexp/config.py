@@ -113,15 +113,11 @@ class ForensicsConfig:
     top: int = 10  # targets listed in spikes.jsonl's "first"
     # also the update norms: costs one copy of the weights on the device (memory) and three passes over them a step
     updates: bool = False
-    # a target that left its range and came back counts when it left at most this many steps before the event (a
-    # cause of a step or two whose effect lasts); earlier, it is noise
-    lookback: int = 10
 
     def __post_init__(self) -> None:
         if self.window != 0:
             _whole("guard.forensics.window", self.window, 4)
         _whole("guard.forensics.top", self.top, 1)
-        _whole("guard.forensics.lookback", self.lookback, 0)
         if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not self.z > 0:
             raise ConfigError(f"must be a positive z-score, got {self.z!r}.", key="guard.forensics.z")
 

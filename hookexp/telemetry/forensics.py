@@ -24,7 +24,7 @@ from hookexp.config import ForensicsConfig
 from hookexp.telemetry.observer import Observer
 
 MISSING = -1.0  # a norm not recorded at that step (norms are >= 0; NaN and Inf mean non-finite)
-GAP = 1  # normal steps that end an abnormal run (see _onset)
+GAP = 0  # normal steps inside one abnormal run (see _onset): none, an early-training trend is no part of it
 FLOOR = 0.05  # the least spread of log(norm) a z-score divides by: a change under ~5% a step is never abnormal
 
 
@@ -95,7 +95,7 @@ class Forensics(Observer):
             raise ValueError("guard.forensics.window=0 means no forensics: build none")
         self.model, self.optimizer = model, optimizer
         self.window, self.z, self.top = config.window, float(config.z), config.top
-        self.track_updates, self.lookback = config.updates, config.lookback
+        self.track_updates = config.updates
         self.modules = [(name, m) for name, m in model.named_modules() if name]
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         # this step: the tensors waiting for the forward's end, the norms of those normed, and per module call
@@ -195,7 +195,7 @@ class Forensics(Observer):
         if not self.params:
             return
         params = [p for _, p in self.params]
-        tensors: list[torch.Tensor] = [p.detach() for p in params]
+        tensors: list[torch.Tensor] = list(params)  # normed under no_grad: no detach (an op each)
         families = ["weight"]
         if self.track_updates and self._before is not None:
             torch._foreach_sub_(self._before, [_local(p.detach()) for p in params])  # before - after: the update
@@ -348,20 +348,25 @@ class Forensics(Observer):
         n = len(self.layout)
         return [s for s, _ in slots], rows[:, :n], rows[:, n:]
 
-    def report(self, step: int, reason: str = "spike") -> Report:
-        """Rank the targets by the first step each left its range, up to ``step`` (docs/statistics.md)."""
+    def report(self, step: int, reason: str = "spike", since: int | None = None) -> Report:
+        """Rank the targets by the first step each left its range, up to ``step`` (docs/statistics.md). ``since``:
+        the earliest step the cause can be (default: the step before ``step``): a target that left its range far
+        (twice ``z``) from then on counts even if it came back (a cause of a step or two whose effect lasts); one
+        that left before and came back is noise."""
         if self.layout is None:
             return self._first_step(step, reason)
         self.current_row()
         steps, norms, ins = self.history()
         keep = [k for k, s in enumerate(steps) if s <= step]
         steps, norms, ins = [steps[k] for k in keep], norms[keep], ins[keep]
+        since = step - 1 if since is None else since
+        recent = sum(1 for s in steps if s < since)  # the first row the cause can be in
         targets = list(self.layout)
         z, bad = _scores(norms, self.z)
         _, in_bad = _scores(ins, self.z)
         first: list[tuple[int, int, dict[str, Any]]] = []
         for j, target in enumerate(targets):
-            t = _onset(bad[:, j], self.lookback)
+            t = _onset(bad[:, j], recent, np.abs(z[:, j]) > 2 * self.z)
             if t is None:
                 continue
             value = norms[t, j]
@@ -414,11 +419,10 @@ class Forensics(Observer):
         self._before = None
 
 
-def _onset(bad: np.ndarray, lookback: int = 10, gap: int = GAP) -> int | None:
+def _onset(bad: np.ndarray, since: int, far: np.ndarray | None = None, gap: int = GAP) -> int | None:
     """The first step of the earliest run of abnormal steps (runs split by at most ``gap`` normal steps are one)
-    that reaches to within ``gap`` steps of the end, or starts within ``lookback`` steps of it (a cause of a step
-    or two whose effect lasts: weights moved, a level shifted); None if there is none: a blip long before, then
-    normal again, is noise, not the onset of what went wrong."""
+    that reaches to within ``gap`` steps of the end, or starts at row ``since`` or later and goes ``far`` (a
+    cause of a step or two whose effect lasts); None if there is none: a blip before, or a small one, is noise."""
     hits = np.flatnonzero(bad)
     end = len(bad) - 1
     k = 0
@@ -426,7 +430,7 @@ def _onset(bad: np.ndarray, lookback: int = 10, gap: int = GAP) -> int | None:
         start = hits[k]
         while k + 1 < len(hits) and hits[k + 1] - hits[k] - 1 <= gap:
             k += 1
-        if end - hits[k] <= gap or end - start <= lookback:
+        if end - hits[k] <= gap or (start >= since and (far is None or far[start:hits[k] + 1].any())):
             return int(start)
         k += 1
     return None

@@ -124,6 +124,7 @@ class SpikeRecorder(Observer):
         self.step = -1
         self._mark: torch.Tensor | None = None
         self._spike: Spike | None = None  # found, not yet given to the driver
+        self._last_judged = -1  # the step of the last value judged
 
     @property
     def enabled(self) -> bool:
@@ -148,10 +149,11 @@ class SpikeRecorder(Observer):
         if self.meter is not None and self._mark is not None:
             self.deferred.put(self.step, self.meter._totals - self._mark)
         elif self.params:
-            grads = [g.detach() for g in (p.grad for p in self.params) if g is not None]
+            grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-                self.deferred.put(self.step, torch.linalg.vector_norm(torch.stack(norms)))
+                with torch.no_grad():
+                    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                    self.deferred.put(self.step, torch.linalg.vector_norm(torch.stack(norms)))
 
     def _poll(self, wait: bool = False) -> None:
         for step, values in self.deferred.ready(wait):
@@ -186,7 +188,8 @@ class SpikeRecorder(Observer):
                 self.until, self.found = step + 1 + self.steps, self.found + 1
                 spike = Spike(step, self.metric, float(value), float(median))
                 if self.forensics is not None:
-                    spike.forensics = self.forensics.report(step, f"spike of {self.metric}")
+                    since = self._rise(step, median) - 2 if self.every_step else self._last_judged
+                    spike.forensics = self.forensics.report(step, f"spike of {self.metric}", since)
                     spike.onset = spike.forensics.onset
                 self._spike = spike
                 if self.record and self.hooks is not None:
@@ -194,6 +197,18 @@ class SpikeRecorder(Observer):
         # every value enters the window, a spike's and those of the steps after it too: after a lasting rise (a
         # collapse, a new learning rate) the median moves up to the new level, and the rise is one spike
         self.history.append(float(value))
+        self._last_judged = step
+
+    def _rise(self, step: int, median: float) -> int:
+        """The first step of the run of values, up to the spike at ``step``, above sqrt(threshold) x the median:
+        where the metric began to rise (its cause is there or up to two steps before: a gradient changes the next
+        loss, its momentum the one after)."""
+        rise = step
+        for value in reversed(self.history):  # the steps before, newest first (judged every step: consecutive)
+            if value <= math.sqrt(self.threshold) * median:
+                break
+            rise -= 1
+        return rise
 
     def window_ended(self, step: int) -> bool:
         """Whether ``step`` (just finished) was the last of a spike's window."""

@@ -14,6 +14,7 @@ from conftest import HELPERS, config, has_module, read_jsonl
 from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
+import hookexp
 from hookexp.config import ForensicsConfig
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.run.loop import train
@@ -172,17 +173,23 @@ def test_the_ring_keeps_the_last_window_steps_and_validation_is_not_recorded():
     observers.close()
 
 
-def test_a_blip_long_before_the_event_is_noise_not_the_onset():
+def test_a_blip_before_the_cause_can_be_or_a_small_one_is_noise_not_the_onset():
+    import numpy as np
+
     from hookexp.telemetry.forensics import _onset
 
-    assert _onset([False, True, False, False, False, False, True], lookback=2) == 6
-    assert _onset([False, True, True, False, True, True], lookback=2) == 1  # one normal step inside keeps it one run
-    assert _onset([True, False, False, True], lookback=2) == 3  # two end it
-    assert _onset([True, False, False, False, False], lookback=2) is None
-    assert _onset([False] * 5, lookback=2) is None
-    # a cause of a step or two whose effect lasts: a blip within lookback steps of the event is its onset
-    assert _onset([False, True, False, False, False, False, True], lookback=5) == 1
-    assert _onset([False, False, True, True, False, False, False, False], lookback=5) == 2
+    def onset(bad: str, since: int, far: str | None = None) -> int | None:
+        return _onset(np.array([c == "x" for c in bad]), since, None if far is None else
+                      np.array([c == "x" for c in far]))
+
+    assert onset("-x----x", since=5) == 6  # the run that reaches the event
+    assert onset("-xx-xx", since=4) == 4  # one normal step ends a run (an early-training trend is no part of it)
+    assert onset("x----", since=3) is None  # a blip before the cause can be
+    assert onset("-----", since=3) is None
+    # a cause of a step or two whose effect lasts, from `since` on: its onset when it went far
+    assert onset("-x----x", since=1) == 1
+    assert onset("-x----x", since=1, far="-------") == 6  # a small blip is noise
+    assert onset("--xx----", since=2, far="---x----") == 2
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -338,3 +345,62 @@ def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
     assert norms[0, :2].tolist() == pytest.approx([rms(h), rms(h.relu())], rel=1e-6)
     assert ins[0].tolist() == pytest.approx([rms(x), rms(h), rms(h.relu())], rel=1e-6)  # relu's input as it came
     observers.close()
+
+
+# -- at the default cadence (stats.every=10): a cause between log steps -----------------------------------------
+BETWEEN = 25  # between the log steps 20 and 30
+GPT_TEXT = ["task=causal_lm", "model=gpt", "data=text_file", f"data.path={Path(__file__).parents[2] / 'benchmarks'}/"
+            "corpus.txt", "data.block_size=16", "model.d_model=32", "model.n_head=2"]
+
+
+def injected(target: str, kind: str, factor: float, steps: int) -> str:
+    return f"+hooks.boom={{target: {target}, kind: {kind}, transform: scale, args: {{factor: {factor}}}, " \
+           f"start_step: {BETWEEN}, end_step: {BETWEEN + steps}}}"
+
+
+@pytest.mark.parametrize(("model", "target", "kind", "factor", "steps", "spiked", "first"), [
+    (["model=small_cnn"], "conv1", "forward", 50, 2, BETWEEN, ("conv1", "output")),
+    (["model=small_cnn"], "conv2", "forward", 50, 1, BETWEEN, ("conv2", "output")),
+    (["model=small_cnn"], "fc1", "forward", 50, 2, BETWEEN, ("fc1", "output")),
+    (["model=small_cnn"], "fc2", "forward", 50, 1, BETWEEN, ("fc2", "output")),
+    # the gradient x50 moves the weight (and its momentum) at step 25; the loss spikes two steps later
+    (["model=small_cnn"], "fc1.weight", "pre_step", 50, 1, BETWEEN + 2, ("fc1.weight", "grad")),
+    (["model=mlp"], "fc1", "forward", 50, 2, BETWEEN, ("fc1", "output")),
+    (["model=mlp"], "fc3", "forward", 50, 1, BETWEEN, ("fc3", "output")),
+    (GPT_TEXT, "norm", "forward", 50, 2, BETWEEN, ("norm", "output")),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_cause_between_log_steps_at_the_default_cadence_is_first(tmp_path: Path, model, target, kind, factor,
+                                                                     steps, spiked, first):
+    """Defaults (stats.every=10, guard.spike.window=20): the spike is seen at its step, 5 steps before the next
+    log step, and forensics names the injected layer first."""
+    train(config(*model, "trainer.max_steps=32", "guard.spike.metric=train/loss",
+                 injected(target, kind, factor, steps)), tmp_path)
+    spike = the_spike(tmp_path)
+    assert spike["trainer/step"] == spiked and spike["onset"] == BETWEEN
+    assert (spike["first"][0]["target"], spike["first"][0]["family"], spike["first"][0]["step"]) == (*first, BETWEEN)
+    logged = [r["trainer/step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert logged[:4] == [0, 10, 20, spiked + 1]  # then every step of the spike's window
+
+
+@pytest.mark.parametrize("target", ["blocks.0.attn.qkv", "blocks.1.mlp.fc"])
+def test_watch_names_a_gpt_block_layer_scaled_for_a_step(target: str):
+    """Inside a pre-norm GPT a x50 output moves the loss little (the layer norms): no spike, but forensics'
+    ranking at that step names the layer, before its block and everything after it."""
+    from hookexp.workloads.models import GPT
+
+    torch.manual_seed(0)
+    net = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    hooks = {"boom": {"target": target, "kind": "forward", "transform": "scale", "args": {"factor": 50.0},
+                      "start_step": BETWEEN, "end_step": BETWEEN + 1}}
+    ids = torch.randint(0, 32, (BETWEEN + 1, 8, 17), generator=torch.Generator().manual_seed(1))
+    with hookexp.watch(net, opt, hooks=hooks, forensics=True) as w:
+        for x in ids:
+            loss = nn.functional.cross_entropy(net(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        report = w.report(BETWEEN)
+    assert (report.first[0]["target"], report.first[0]["family"], report.first[0]["step"]) == (target, "output",
+                                                                                                  BETWEEN)
+    assert report.first[0]["input"] == "normal" and report.onset == BETWEEN
