@@ -3,11 +3,14 @@ target that left its range first (the producer) before those it spread to."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import HELPERS, config, has_module, read_jsonl
@@ -99,8 +102,9 @@ def test_the_docs_recipe_names_fc2_first(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-2000:]
     spike = the_spike(tmp_path / "runs" / "forensics_demo")
     assert [(e["target"], e["family"], e["step"], e.get("input")) for e in spike["first"][:3]] == [
-        ("fc2", "output", 30, "normal"), ("relu2", "output", 30, "abnormal"), ("fc3", "output", 30, "abnormal")]
-    assert (tmp_path / "runs" / "forensics_demo" / "forensics" / "step_30.png").exists()
+        ("fc2", "output", 25, "normal"), ("relu2", "output", 25, "abnormal"), ("fc3", "output", 25, "abnormal")]
+    assert spike["trainer/step"] == spike["onset"] == 25  # between log steps, at the default cadence
+    assert (tmp_path / "runs" / "forensics_demo" / "forensics" / "step_25.png").exists()
 
 
 class Net(nn.Module):
@@ -404,3 +408,102 @@ def test_watch_names_a_gpt_block_layer_scaled_for_a_step(target: str):
     assert (report.first[0]["target"], report.first[0]["family"], report.first[0]["step"]) == (target, "output",
                                                                                                   BETWEEN)
     assert report.first[0]["input"] == "normal" and report.onset == BETWEEN
+
+
+# -- cost and torch.compile ---------------------------------------------------------------------------------------
+def small_cnn_and_gpt(name: str) -> tuple[nn.Module, Any]:
+    from hookexp.workloads.models import GPT, SmallCNN
+
+    torch.manual_seed(0)
+    if name == "small_cnn":
+        x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+        return SmallCNN(), lambda m: nn.functional.cross_entropy(m(x), y)
+    ids = torch.randint(0, 64, (8, 17))
+    return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=64), \
+        lambda m: nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+def aten_ops(name: str, make: Any, steps: int = 4) -> int:
+    """The aten ops of ``steps`` training steps (after 3 of warm-up) with the observers ``make(model, opt)``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model, loss_of = small_cnn_and_gpt(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    observers = Observers(make(model, opt), opt)
+    for step in range(3 + steps):
+        with Count() if step >= 3 else contextlib.nullcontext():
+            observers.start(step, False)
+            loss = loss_of(model)
+            loss.backward()
+            observers.allow_update(loss, step)
+            opt.step()
+            opt.zero_grad()
+            observers.end(step)
+    observers.close()
+    return Count.n // steps
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "gpt"])
+def test_a_step_costs_a_few_aten_ops_whatever_the_number_of_modules(name: str):
+    """benchmarks/detect_ops.py's counts: forensics, the spike recorder (the gradients' norm) and the guard."""
+    from hookexp.config import SpikeConfig
+    from hookexp.telemetry.guard import NonFiniteGuard
+    from hookexp.telemetry.spike import SpikeRecorder
+
+    base = aten_ops(name, lambda m, o: {})
+    assert aten_ops(name, lambda m, o: {"f": Forensics(m, o, ForensicsConfig())}) - base <= 20
+    assert aten_ops(name, lambda m, o: {"s": SpikeRecorder(SpikeConfig(metric="grad/global_norm"), m)}) - base <= 8
+    assert aten_ops(name, lambda m, o: {"g": NonFiniteGuard("raise", m)}) - base <= 12
+
+
+def compiled_buffers(name: str, compiled: bool) -> tuple[list[int], Any, dict, dict]:
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    model, loss_of = small_cnn_and_gpt(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    forensics = Forensics(model, opt, ForensicsConfig(window=4))
+    observers = Observers({"forensics": forensics}, opt)
+    run = torch.compile(model) if compiled else model
+    for step in range(4):
+        observers.start(step, False)
+        loss_of(run).backward()
+        opt.step()
+        opt.zero_grad()
+        observers.end(step)
+    observers.close()
+    return *forensics.history()[:2], dict(counters["graph_break"]), dict(guard_failures)
+
+
+def test_under_compile_forensics_records_what_eager_does_with_no_graph_break_nor_recompile():
+    """The hooks run inside the compiled graph (torch._dynamo's counters: no graph break, no guard failure)."""
+    steps, eager, _, _ = compiled_buffers("small_cnn", False)
+    steps_c, compiled, breaks, failures = compiled_buffers("small_cnn", True)
+    assert breaks == {} and failures == {}
+    assert steps_c == steps == [0, 1, 2, 3]
+    np.testing.assert_allclose(compiled, eager, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_compile_with_forensics_and_spikes_breaks_no_graph_and_recompiles_for_torch_only(tmp_path: Path):
+    """Past an epoch's end: dynamo recompiles for the smaller last batch and for validation's no_grad (torch's own
+    guards, with forensics off alike), never for hookexp's hooks."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    summary = train(config("trainer.compile=true", "trainer.max_steps=30", "guard.spike.metric=train/loss"),
+                    tmp_path)
+    assert summary["status"] == "finished" and dict(counters["graph_break"]) == {}
+    reasons = [str(r) for failures in guard_failures.values() for r in failures]
+    assert reasons and all("grad_mode" in r or "tensor 'args[0]' size mismatch at index 0" in r for r in reasons)
