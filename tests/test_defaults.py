@@ -70,16 +70,11 @@ def second_literals(fields: dict[str, Any]) -> list[str]:
     return sorted(found, key=lambda s: (s.split(":")[0], int(s.split(":")[1].split()[0]), s))
 
 
-PENDING = {
-    config.SpikeConfig: "lands with the spike recorder's rewrite (spike.py and from_config read SpikeConfig)",
-    config.ForensicsConfig: "lands with the forensics rewrite (Forensics reads ForensicsConfig)",
-}
 CLASSES = [config.TrainerConfig, config.FsdpConfig, config.StatsConfig, config.GuardConfig, config.LoggerConfig,
            config.ReproConfig, config.HookexpConfig, config.SpikeConfig, config.ForensicsConfig, HookSpec]
 
 
-@pytest.mark.parametrize("cls", [pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(
-    strict=False, reason=PENDING[c])] if c in PENDING else []) for c in CLASSES])
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_each_default_is_written_once(cls: type):
     assert second_literals(defaults(cls)) == []
 

@@ -217,7 +217,7 @@ class Trainer:
         spike = self.observers.observe(metrics, step).get("spike")
         if spike is not None:
             log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps",
-                        spike.metric, step, spike.value, spike.median, self.recorder.steps)
+                        spike.metric, spike.step, spike.value, spike.median, self.recorder.steps)
             self.sinks.spike(spike.row(self.period))
             self.draw_forensics()
         self.period = []

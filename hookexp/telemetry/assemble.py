@@ -2,14 +2,13 @@
 Lightning and HF callbacks alike (:func:`build_observers`).
 
 The order is the order a log step lists their values: the task's metrics, what the hooks did, the non-finite
-guard, the statistics probes, the gradient noise scale, the forensics ring buffer, the gradient clip's norm and
-the spike recorder. What a driver adds to the config (its hooks, meter, ranks, loss scale) is a :class:`Wiring`.
+guard, the statistics probes, the gradient noise scale, the forensics ring buffer, the spike recorder and the
+gradient clip's norm. What a driver adds to the config (its hooks, meter, ranks, loss scale) is a :class:`Wiring`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,18 +112,18 @@ def check_noise_scale(stats: StatsConfig, wiring: Wiring) -> None:
                           f"stats.gns=false.", key=wiring.key("gns"))
 
 
-def _spike_recorder(guard: GuardConfig, wiring: Wiring, watchable: list[str]) -> SpikeRecorder:
-    """``guard.spike``: the one call of :meth:`SpikeRecorder.from_config`."""
+def _spike_recorder(model: torch.nn.Module, guard: GuardConfig, wiring: Wiring, watchable: list[str]) -> SpikeRecorder:
+    """``guard.spike``: the one call of :class:`SpikeRecorder`."""
     rows = wiring.hooks.table() if wiring.hooks is not None else []
-    return SpikeRecorder.from_config(dataclasses.asdict(guard.spike),
-                                     [r["spec"] for r in rows if r["transform"] == "record" and r["enabled"]],
-                                     [r["spec"] for r in rows], watchable)
+    per_step = wiring.ranks is None or not wiring.ranks.enabled  # the ranks' step values differ: judged on log steps
+    return SpikeRecorder(guard.spike, model if per_step else None, wiring.meter if per_step else None,
+                         metrics=watchable, record_specs=[r["spec"] for r in rows if r["transform"] == "record"
+                                                          and r["enabled"]], specs=[r["spec"] for r in rows])
 
 
 def _forensics(model: torch.nn.Module, optimizer: Any, guard: GuardConfig) -> Forensics:
     """``guard.forensics``: the one call of :class:`Forensics`."""
-    f = guard.forensics
-    return Forensics(model, optimizer, window=f.window, z=f.z, top=f.top, updates=f.updates)
+    return Forensics(model, optimizer, guard.forensics)
 
 
 def _nonfinite(model: torch.nn.Module, guard: GuardConfig, wiring: Wiring) -> NonFiniteGuard:
@@ -160,7 +159,7 @@ def build_observers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
         keys = wiring.meter.keys() if wiring.meter is not None else []  # type: ignore[attr-defined]
         watchable = [*keys, *(["grad/global_norm"] if probes.grads else []),
                      *(["grad/pre_clip_norm"] if wiring.clip is not None else [])]
-        recorder = _spike_recorder(guard, wiring, watchable)
+        recorder = _spike_recorder(model, guard, wiring, watchable)
         on = wiring.forensics
         if on is None:
             on = (nonfinite is not None and guard.nan_policy != "off") or recorder.enabled
@@ -168,9 +167,9 @@ def build_observers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
             recorder.forensics = add("forensics", _forensics(model, optimizer, guard))
             if nonfinite is not None:
                 nonfinite.forensics = recorder.forensics
+        add("spike", recorder)  # before the clip: it judges the gradients' norm before the clip
         if wiring.clip is not None:
             add("clip", GradClip(model, wiring.clip))  # after the statistics and forensics: unclipped gradients
-        add("spike", recorder)
         if wiring.hooks is not None:
             recorder.pause_records(wiring.hooks)
         observers = Observers(named, optimizer, before_hook=wiring.before_hook)

@@ -1,32 +1,16 @@
 """First-divergence forensics (``guard.forensics``): which layer went wrong first?
 
-While training, a ring buffer on the device keeps one cheap norm per target for each of the last ``window``
-steps: every module's output (and its input, to tell a producer from a propagator), every parameter's
-gradient, update and weight, and the optimizer's per-parameter state (Adam's moments). Recording costs a few
-small kernels a step (one norm per distinct tensor a module returns or takes, one fused norm per parameter
-family; with ``updates``, one copy of the weights) and no host sync; the buffer is read back only when something
-went wrong.
-
-When the spike recorder fires, or the non-finite guard, :meth:`Forensics.report` ranks the targets by the
-first step at which each left its own recent range: the robust z-score of the step's change of log(norm)
-against the median and the MAD of its earlier changes in the buffer (a steady drift is in range, a jump is
-not; a non-finite norm counts at once), the start of the run of
-abnormal steps that lasts to (within two steps of) the event; a blip long before it that went back to normal
-is noise and not listed. Module outputs and inputs are root mean squares, so that a smaller last batch of
-an epoch is no outlier. Ties go to what happens
-first within a step: module outputs in the order their forwards end, then the gradients in backward order,
-then the optimizer state, the updates and the weights. A module whose output left its range while its input
-did not is the *producer*; one whose input had left too *propagates*.
-
-Under FSDP each rank records the norms of its own shards (a shard of an abnormal tensor is abnormal too);
-rank 0's view is the one written.
+A ring buffer on the device keeps, for each of the last ``window`` steps, one norm per target: every module's
+output and input (root mean squares), every parameter's gradient, optimizer state, weight (and update). A few
+multi-tensor kernels a step, no host sync, no graph break under ``torch.compile``; read back only when something
+went wrong. :meth:`Forensics.report` ranks the targets by the first step each left its own range (the rule, the
+order within a step and the costs: docs/statistics.md, "Which layer went first: forensics").
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookexp.errors import ConfigError
+from hookexp.config import ForensicsConfig
 from hookexp.telemetry.observer import Observer
 
 MISSING = -1.0  # a norm not recorded at that step (norms are >= 0; NaN and Inf mean non-finite)
-GAP = 1  # normal steps that end an abnormal run (see _onset)
+GAP = 0  # normal steps inside one abnormal run (see _onset): none, an early-training trend is no part of it
 FLOOR = 0.05  # the least spread of log(norm) a z-score divides by: a change under ~5% a step is never abnormal
 
 
@@ -54,7 +38,7 @@ class Target:
 class Report:
     """What :meth:`Forensics.report` found: ``first`` (earliest first, at most ``top``: one dict per target with
     ``target``, ``family``, ``step``, ``score`` and, for module outputs, ``input``), the z-scores (steps x
-    targets) and the targets, for the figure."""
+    targets) and the targets, for the figure. ``onset``: the step ``first[0]`` left its range (None: nothing did)."""
 
     step: int
     reason: str
@@ -64,12 +48,16 @@ class Report:
     targets: list[Target] = field(default_factory=list)
     z: np.ndarray | None = None
 
+    @property
+    def onset(self) -> int | None:
+        return self.ranked[0]["step"] if self.ranked else None
+
     def nonfinite_outputs(self) -> list[dict[str, Any]]:
         """The module outputs that went non-finite, first first."""
         return [e for e in self.ranked if e["family"] == "output" and e.get("nonfinite")]
 
 
-def _first_tensor(x: Any) -> torch.Tensor | None:
+def _first_float_tensor(x: Any) -> torch.Tensor | None:
     """The first floating-point tensor of a module's input or output (a tensor, a tuple, a dict, a ModelOutput)."""
     if isinstance(x, torch.Tensor):
         return x if x.is_floating_point() else None
@@ -80,8 +68,16 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One float32 norm per tensor: one multi-tensor kernel."""
+    if not tensors:
+        return []
+    with torch.no_grad():
+        return list(torch._foreach_norm([_local(t) for t in tensors], 2, dtype=torch.float32))
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -89,53 +85,45 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
-
-
-def _norms(tensors: list[torch.Tensor | None], missing: torch.Tensor) -> torch.Tensor:
-    """One float32 norm per tensor (``missing`` for None), as a 1-d device tensor: one fused kernel."""
-    present = [_local(t) for t in tensors if t is not None]
-    norms = [n.float() for n in torch._foreach_norm(present)] if present else []
-    if len(norms) == len(tensors):
-        return torch.stack(norms) if norms else missing.new_empty(0)
-    it = iter(norms)
-    return torch.stack([next(it) if t is not None else missing for t in tensors])
-
-
 class Forensics(Observer):
-    """The ring buffer and its reading (module docstring). ``window``: steps kept; ``z``: the robust z-score that
-    counts as leaving the range; ``top``: entries of a report; ``updates``: also the update norms (costs one copy
-    of the weights)."""
+    """The ring buffer and its reading (module docstring), configured by ``config`` (``guard.forensics``)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, window: int = 32, z: float = 8.0,
-                 top: int = 10, updates: bool = False):
-        for key, value, least in (("window", window, 4), ("top", top, 1)):  # window 0 (off): not built at all
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.",
-                                  key=f"guard.forensics.{key}")
-        if not z > 0:
-            raise ConfigError(f"must be a positive z-score, got {z!r}.", key="guard.forensics.z")
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 config: ForensicsConfig | None = None):
+        config = config if config is not None else ForensicsConfig()
+        if not config.window:
+            raise ValueError("guard.forensics.window=0 means no forensics: build none")
         self.model, self.optimizer = model, optimizer
-        self.window, self.z, self.top, self.track_updates = window, float(z), top, updates
+        self.window, self.z, self.top = config.window, float(config.z), config.top
+        self.track_updates = config.updates
         self.modules = [(name, m) for name, m in model.named_modules() if name]
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        # this step's calls: (module, output norm, input norm or None, their sizes)
-        self.calls: list[tuple[int, torch.Tensor, torch.Tensor | None, int, int]] = []
-        self._seen: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id -> (weak reference, version, norm)
+        # this step: the tensors waiting for the forward's end, the norms of those normed, and per module call
+        # (module index, position of its output's norm, of its input's or -1)
+        self._pending: list[torch.Tensor] = []
+        self._normed: list[torch.Tensor] = []
+        self._count = 0  # tensors pended this step
+        self._last: torch.Tensor | None = None  # the output of the module whose forward ended last
+        self.calls: list[tuple[int, int, int]] = []
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.modules)]
+        # an in-place module (ReLU(inplace=True)) overwrites its input: norm what is pending before it runs
+        self.handles += [m.register_forward_pre_hook(self._flush) for _, m in self.modules
+                         if getattr(m, "inplace", False) is True]
+        self.handles.append(model.register_forward_hook(self._forward_end))  # one kernel for all its tensors
         self.layout: list[Target] | None = None  # the buffer's columns, fixed at the first recorded step
         self.out_modules: list[int] = []  # module indices in column order
         self.state_keys: list[str] = []
+        self.families: list[str] = []
         self.buf: torch.Tensor | None = None
-        self.steps: list[int] = [-1] * window  # the step each slot holds (host side: no sync)
+        self.steps: list[int] = [-1] * self.window  # the step each slot holds (host side: no sync)
         self.pos = 0
         self.step = -1
         self.committed = True
-        self._cache: dict[tuple[tuple[int, int, int], ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._grads: torch.Tensor | None = None
+        self._grads: list[torch.Tensor] | None = None
+        self._after: list[torch.Tensor] | None = None
         self._before: list[torch.Tensor] | None = None
         self._missing: torch.Tensor | None = None
+        self._plans: dict[tuple[tuple[int, int, int], ...], Any] = {}
         self.reports: list[Report] = []
 
     # -- recording -----------------------------------------------------------------------------------------
@@ -143,25 +131,34 @@ class Forensics(Observer):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.model.training or not torch.is_grad_enabled():
                 return  # validation, or a forward under no_grad: not a training step
-            out = _first_tensor(output)
+            out = _first_float_tensor(output)
             if out is None:
                 return
-            inp = _first_tensor(args)
-            self.calls.append((index, self._norm(out), None if inp is None else self._norm(inp), out.numel(),
-                               0 if inp is None else inp.numel()))
+            inp = _first_float_tensor(args)
+            at = -1
+            if inp is not None and inp is self._last:
+                at = self._count - 1  # the input is the output normed last: no second kernel
+            elif inp is not None:
+                self._pending.append(inp)
+                at, self._count = self._count, self._count + 1
+            self._pending.append(out)
+            self.calls.append((index, self._count, at))
+            self._count += 1
+            self._last = out
         return hook
 
-    def _norm(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s norm, computed once a step: a module's input is mostly another's output (and a container's
-        output its last child's), so most inputs cost no kernel. Tensors are known by a weak reference (a freed
-        tensor's reused ``id`` is never taken for it) and their version (an in-place op since, ``ReLU(inplace=True)``,
-        makes a new norm)."""
-        known = self._seen.get(id(t))
-        if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
-        norm = _norm(t)
-        self._seen[id(t)] = (weakref.ref(t), t._version, norm)
-        return norm
+    def _flush(self, *args: Any) -> None:
+        """The pending tensors' root mean squares, in one multi-tensor kernel (a forward's end, before an
+        in-place module, and before the update for a forward whose root never ran)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            with torch.no_grad():
+                norms = torch._foreach_norm(pending, 2, dtype=torch.float32)
+                self._normed.extend(torch._foreach_div(norms, [math.sqrt(max(t.numel(), 1)) for t in pending]))
+
+    def _forward_end(self, *args: Any) -> None:
+        self._flush()
+        self._last = None  # the next forward's first input is no output of this one
 
     def missing(self, device: torch.device) -> torch.Tensor:
         if self._missing is None or self._missing.device != device:
@@ -170,71 +167,62 @@ class Forensics(Observer):
 
     def start(self, step: int, log: bool) -> None:
         if not self.committed:
-            self._commit(None)  # the previous step ran no update (skipped): keep what it recorded
-        self.calls.clear()
-        self._seen.clear()
-        self.step, self.committed, self._grads = step, False, None
+            self._commit()  # the previous step ran no update (skipped): keep what it recorded
+        self.calls, self._pending, self._normed, self._count, self._last = [], [], [], 0, None
+        self.step, self.committed, self._grads, self._after = step, False, None, None
+
+    def _grad_norms(self) -> None:
+        grads = [p.grad for _, p in self.params]
+        present = _norms([g for g in grads if g is not None])
+        if len(present) < len(grads):
+            it = iter(present)
+            missing = self.missing(present[0].device if present else self.params[0][1].device)
+            present = [next(it) if g is not None else missing for g in grads]
+        self._grads = present
 
     def before_update(self) -> None:
-        params = [p for _, p in self.params]
-        if not params:
+        self._flush()
+        if not self.params:
             return
-        self._grads = _norms([p.grad for p in params], self.missing(params[0].device))
+        self._grad_norms()
         if self.track_updates:
-            weights = [_local(p.detach()) for p in params]
+            weights = [_local(p.detach()) for _, p in self.params]
             if self._before is None:
                 self._before = [torch.empty_like(w) for w in weights]
             torch._foreach_copy_(self._before, weights)
 
     def after_update(self) -> None:
-        params = [p for _, p in self.params]
-        if not params:
+        if not self.params:
             return
-        missing = self.missing(params[0].device)
-        weights = [_local(p.detach()) for p in params]
-        parts: dict[str, torch.Tensor] = {"weight": _norms(weights, missing)}
+        params = [p for _, p in self.params]
+        tensors: list[torch.Tensor] = list(params)  # normed under no_grad: no detach (an op each)
+        families = ["weight"]
         if self.track_updates and self._before is not None:
-            torch._foreach_sub_(self._before, weights)  # before - after: this step's update
-            parts["update"] = _norms(self._before, missing)
-        if self.optimizer is not None:
-            states = [self.optimizer.state.get(p, {}) for p in params]
-            if self.layout is None:
-                self.state_keys = sorted({k for s, p in zip(states, params, strict=True) for k, v in s.items()
-                                          if isinstance(v, torch.Tensor) and v.shape == p.shape and k != "step"})
-            for key in self.state_keys:
-                parts[key] = _norms([s.get(key) for s in states], missing)
-        self._commit(parts)
+            torch._foreach_sub_(self._before, [_local(p.detach()) for p in params])  # before - after: the update
+            tensors += self._before
+            families.append("update")
+        states = [self.optimizer.state.get(p, {}) for p in params] if self.optimizer is not None else []
+        if self.layout is None and states:
+            self.state_keys = sorted({k for s, p in zip(states, params, strict=True) for k, v in s.items()
+                                      if isinstance(v, torch.Tensor) and v.shape == p.shape and k != "step"})
+        slots: list[tuple[str, int]] = []  # (family, parameter) of each norm after the weights and updates
+        for key in self.state_keys:
+            for k, s in enumerate(states):
+                if isinstance(s.get(key), torch.Tensor):
+                    tensors.append(s[key])
+                    slots.append((key, k))
+        norms = _norms(tensors)
+        p = len(params)
+        self._after = norms[:p * len(families)]
+        self._after_families = families
+        self._state_slots = {slot: norms[p * len(families) + i] for i, slot in enumerate(slots)}
+        self._commit()
 
     def end(self, step: int) -> None:
         if not self.committed:
-            self._commit(None)
+            self._commit()
 
-    def _outputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's output and input root mean square per module in column order (over all its calls: a
-        smaller last batch of an epoch is no outlier), MISSING for a module not called. A few kernels a step: the
-        index and the sizes are cached by the pattern of calls."""
-        n = len(self.out_modules)
-        missing = self.missing(device)
-        if not self.calls:
-            return missing.expand(n), missing.expand(n)
-        key = tuple((i, o, k) for i, _, _, o, k in self.calls)
-        if key not in self._cache:
-            column = {m: c for c, m in enumerate(self.out_modules)}
-            cols = [column.get(i, n) for i, _, _ in key]
-            sizes = torch.zeros(n + 1, 2, dtype=torch.float64)
-            for c, (_, o, k) in zip(cols, key, strict=True):
-                sizes[c] += torch.tensor([o, k], dtype=torch.float64)
-            absent = sizes[:n] == 0
-            self._cache[key] = _to(torch.tensor(cols), device), _to(absent, device), \
-                _to(sizes[:n].clamp(min=1).float(), device)
-        idx, absent, sizes = self._cache[key]
-        vals = torch.stack([torch.stack([c[1] for c in self.calls]),
-                            torch.stack([missing if c[2] is None else c[2] for c in self.calls])], 1)
-        sums = torch.zeros(n + 1, 2, device=device).index_add_(0, idx, vals.square())[:n]
-        rms = torch.where(absent, missing, (sums / sizes).sqrt())
-        return rms[:, 0], rms[:, 1]
-
-    def _make_layout(self, families: list[str]) -> None:
+    def _make_layout(self) -> None:
         order: list[int] = []
         for i, *_ in self.calls:
             if i not in order:
@@ -250,24 +238,25 @@ class Forensics(Observer):
 
         # gradients arrive in backward order: the parameters of the modules that ran last first
         self.grad_order = sorted(range(len(self.params)), key=lambda k: -forward_pos(self.params[k][0]))
-        self._grad_index: torch.Tensor | None = None
+        self.families = [*self.state_keys, *(["update"] if "update" in self._after_families else []), "weight"]
         layout = [Target(self.modules[i][0], "output") for i in order]
         layout += [Target(self.params[k][0], "grad") for k in self.grad_order]
-        for family in families:
+        for family in self.families:
             layout += [Target(name, family) for name, _ in self.params]
         self.layout = layout
-        self.families = families
 
-    def _commit(self, parts: dict[str, torch.Tensor] | None) -> None:
-        """This step's row into the ring buffer (``parts``: the after-update families; None: no update ran)."""
+    def _commit(self) -> None:
+        """This step's row into the ring buffer (before the update, or without one: the after-update families
+        are MISSING)."""
         self.committed = True
+        self._flush()
         if not self.params and not self.calls:
             return
         if self.layout is None:
-            if parts is None:
+            if self._after is None:
                 return  # the first step took no update: the optimizer state is not known yet
-            self._make_layout([*self.state_keys, *(["update"] if "update" in parts else []), "weight"])
-        row = self._row(parts)
+            self._make_layout()
+        row = self._row()
         if self.buf is None:
             self.buf = torch.full((self.window, row.numel()), MISSING, device=row.device)
         last = (self.pos - 1) % self.window
@@ -278,31 +267,76 @@ class Forensics(Observer):
             self.steps[self.pos] = self.step
             self.pos = (self.pos + 1) % self.window
 
-    def _row(self, parts: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def _row(self) -> torch.Tensor:
+        """The step's norms in column order: outputs, gradients, the after-update families, then the inputs. One
+        stack when every module ran once; a module called several times (micro-batches) gets the root mean
+        square of its calls' (a few kernels more)."""
         assert self.layout is not None
-        device = self._grads.device if self._grads is not None else \
-            self.calls[0][1].device if self.calls else self.params[0][1].device
+        device = self._grads[0].device if self._grads else self._normed[0].device if self._normed else \
+            self.params[0][1].device
         missing = self.missing(device)
-        outs, ins = self._outputs(device)
+        entries: list[torch.Tensor] = list(self._normed)
+        n_calls = len(entries)
         p = len(self.params)
-        if self._grads is not None:
-            if self._grad_index is None or self._grad_index.device != device:
-                self._grad_index = _to(torch.tensor(self.grad_order), device)
-            grads = self._grads[self._grad_index]
-        else:
-            grads = missing.expand(p)
-        rest = [parts[f] if parts is not None and f in parts else missing.expand(p) for f in self.families]
-        return torch.cat([outs, grads, *rest, ins])
+        entries += [self._grads[k] for k in self.grad_order] if self._grads is not None else [missing] * p
+        for family in self.families:
+            if self._after is None:
+                entries += [missing] * p
+            elif family in self._after_families:
+                at = self._after_families.index(family) * p
+                entries += self._after[at:at + p]
+            else:
+                entries += [self._state_slots.get((family, k), missing) for k in range(p)]
+        plan = self._plans.get(tuple(self.calls))
+        if plan is None:
+            plan = self._plans[tuple(self.calls)] = self._plan(n_calls, device)
+        outs, ins, repeated = plan
+        rest = entries[n_calls:]
+        if repeated is None:
+            return torch.stack([entries[k] if k >= 0 else missing for k in outs] + rest +
+                               [entries[k] if k >= 0 else missing for k in ins])
+        positions, columns, counts, absent = repeated  # squares summed per column, over the calls
+        calls = torch.stack(entries[:n_calls]).double().square().index_select(0, positions)
+        sums = torch.zeros(2 * len(self.out_modules), dtype=torch.float64, device=device).index_add_(0, columns, calls)
+        rms = torch.where(absent, MISSING, (sums / counts).sqrt()).float()
+        n = len(self.out_modules)
+        return torch.cat([rms[:n], torch.stack(rest) if rest else rms[:0], rms[n:]])
+
+    def _plan(self, n_calls: int, device: torch.device) -> Any:
+        """Where each column's value is among the step's norms (by the pattern of calls): positions, or for
+        repeated calls the index and counts of a sum of squares."""
+        column = {m: c for c, m in enumerate(self.out_modules)}
+        n = len(self.out_modules)
+        outs, ins = [-1] * n, [-1] * n
+        per_column: dict[int, list[int]] = {}
+        for i, out, inp in self.calls:
+            c = column.get(i)
+            if c is None:
+                continue
+            per_column.setdefault(c, []).append(out)
+            if inp >= 0:
+                per_column.setdefault(n + c, []).append(inp)
+            outs[c], ins[c] = out, inp
+        if all(len(v) == 1 for v in per_column.values()):
+            return outs, ins, None
+        pairs = [(pos, col) for col, positions in sorted(per_column.items()) for pos in positions]
+        counts = torch.zeros(2 * n, dtype=torch.float64)
+        for col, positions in per_column.items():
+            counts[col] = len(positions)
+        positions = torch.tensor([pos for pos, _ in pairs], dtype=torch.long)
+        columns = torch.tensor([col for _, col in pairs], dtype=torch.long)
+        absent = counts == 0
+        return outs, ins, (_to(positions, device), _to(columns, device), _to(counts.clamp(min=1), device),
+                           _to(absent, device))
 
     # -- reading -------------------------------------------------------------------------------------------
     def current_row(self) -> None:
         """Record the step in progress as it stands (the guard, before the update: outputs and gradients)."""
         if self.committed or self.layout is None:
             return
-        params = [p for _, p in self.params]
-        if params and self._grads is None:
-            self._grads = _norms([p.grad for p in params], self.missing(params[0].device))
-        self._commit(None)
+        if self.params and self._grads is None:
+            self._grad_norms()
+        self._commit()
 
     def history(self) -> tuple[list[int], np.ndarray, np.ndarray]:
         """The buffer on the host, oldest step first: (steps, norms [steps x targets], input norms)."""
@@ -314,20 +348,25 @@ class Forensics(Observer):
         n = len(self.layout)
         return [s for s, _ in slots], rows[:, :n], rows[:, n:]
 
-    def report(self, step: int, reason: str = "spike") -> Report:
-        """Rank the targets by the first step each left its range, up to ``step`` (module docstring)."""
+    def report(self, step: int, reason: str = "spike", since: int | None = None) -> Report:
+        """Rank the targets by the first step each left its range, up to ``step`` (docs/statistics.md). ``since``:
+        the earliest step the cause can be (default: the step before ``step``): a target that left its range far
+        (twice ``z``) from then on counts even if it came back (a cause of a step or two whose effect lasts); one
+        that left before and came back is noise."""
         if self.layout is None:
             return self._first_step(step, reason)
         self.current_row()
         steps, norms, ins = self.history()
         keep = [k for k, s in enumerate(steps) if s <= step]
         steps, norms, ins = [steps[k] for k in keep], norms[keep], ins[keep]
+        since = step - 1 if since is None else since
+        recent = sum(1 for s in steps if s < since)  # the first row the cause can be in
         targets = list(self.layout)
         z, bad = _scores(norms, self.z)
         _, in_bad = _scores(ins, self.z)
-        first: list[tuple[int, int, float, dict[str, Any]]] = []
+        first: list[tuple[int, int, dict[str, Any]]] = []
         for j, target in enumerate(targets):
-            t = _onset(bad[:, j])
+            t = _onset(bad[:, j], recent, np.abs(z[:, j]) > 2 * self.z)
             if t is None:
                 continue
             value = norms[t, j]
@@ -338,25 +377,26 @@ class Forensics(Observer):
             if target.family == "output" and j < ins.shape[1] and ins[t, j] != MISSING:
                 entry["input"] = "non-finite" if not math.isfinite(ins[t, j]) else \
                     "abnormal" if in_bad[t, j] else "normal"
-            first.append((t, j, abs(z[t, j]), entry))
+            first.append((t, j, entry))
         first.sort(key=lambda e: (e[0], e[1]))
-        ranked = [e[3] for e in first]
+        ranked = [e[2] for e in first]
         report = Report(step, reason, ranked[:self.top], ranked, steps, targets, z)
         self.reports.append(report)
         return report
 
     def _first_step(self, step: int, reason: str) -> Report:
         """Nothing recorded yet (the first step went wrong): this step's non-finite module outputs alone."""
+        self._flush()
         ranked: list[dict[str, Any]] = []
         seen: set[int] = set()
-        for i, out, inp, *_ in self.calls:
-            if i in seen or bool(torch.isfinite(out)):
+        for i, out, inp in self.calls:
+            if i in seen or bool(torch.isfinite(self._normed[out])):
                 continue
             seen.add(i)
             entry = {"target": self.modules[i][0], "family": "output", "step": self.step, "score": None,
                      "nonfinite": True}
-            if inp is not None:
-                entry["input"] = "normal" if bool(torch.isfinite(inp)) else "non-finite"
+            if inp >= 0:
+                entry["input"] = "normal" if bool(torch.isfinite(self._normed[inp])) else "non-finite"
             ranked.append(entry)
         report = Report(step, reason, ranked[:self.top], ranked)
         self.reports.append(report)
@@ -367,6 +407,11 @@ class Forensics(Observer):
         reports, self.reports = self.reports, []
         return reports
 
+    def reset_after_rollback(self, step: int) -> None:
+        """The run went back to ``step``: the rows of the steps from it on describe steps that are undone."""
+        self.steps = [s if s < step else -1 for s in self.steps]
+        self.committed = True
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()
@@ -374,17 +419,21 @@ class Forensics(Observer):
         self._before = None
 
 
-def _onset(bad: np.ndarray, gap: int = GAP) -> int | None:
-    """The first step of the last run of abnormal steps (runs split by at most ``gap`` normal steps are one),
-    if that run reaches to within ``gap`` steps of the end; else None: a blip long before, then normal again,
-    is noise, not the onset of what went wrong."""
+def _onset(bad: np.ndarray, since: int, far: np.ndarray | None = None, gap: int = GAP) -> int | None:
+    """The first step of the earliest run of abnormal steps (runs split by at most ``gap`` normal steps are one)
+    that reaches to within ``gap`` steps of the end, or starts at row ``since`` or later and goes ``far`` (a
+    cause of a step or two whose effect lasts); None if there is none: a blip before, or a small one, is noise."""
     hits = np.flatnonzero(bad)
-    if not hits.size or len(bad) - 1 - hits[-1] > gap:
-        return None
-    k = len(hits) - 1
-    while k > 0 and hits[k] - hits[k - 1] - 1 <= gap:
-        k -= 1
-    return int(hits[k])
+    end = len(bad) - 1
+    k = 0
+    while k < len(hits):
+        start = hits[k]
+        while k + 1 < len(hits) and hits[k + 1] - hits[k] - 1 <= gap:
+            k += 1
+        if end - hits[k] <= gap or (start >= since and (far is None or far[start:hits[k] + 1].any())):
+            return int(start)
+        k += 1
+    return None
 
 
 def _round(x: float) -> float | None:

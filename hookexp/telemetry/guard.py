@@ -1,26 +1,18 @@
 """The non-finite guard: ``guard.nan_policy = raise | skip_step | warn | off``.
 
-After backward (and the fp16 unscale), before the update, the guard asks whether the loss and every
-gradient are finite. Finiteness is read from each gradient's largest magnitude, not its norm: a float32
-norm overflows to inf for finite gradients of large magnitude (``optim.lr=1e10``), which must not count.
-
-- ``skip_step`` decides before each update, so it reads the answer back every step (free on a CPU, one
-  sync a step on a GPU) and skips the update of a non-finite step, naming it.
-- ``raise`` and ``warn`` on the CPU also read it back every step (it costs nothing there): ``raise``
-  stops before a NaN gradient reaches the weights. On a GPU they cost no sync: the first non-finite step
-  is remembered on the device and read back with the log step's other values, then raised or warned.
-- ``off``: nothing.
-
-The message names the step, the parameters (non-finite values first: where a NaN came in, not where it
-spread) and the hook specs that touch them, since a hook is a likely cause. With forensics
-(:mod:`hookexp.telemetry.forensics`) it also names the first module whose output went non-finite and whether
-its input was finite (the producer) or not (a propagator); so does ``summary.json``.
+After backward (and the fp16 unscale), before the update, the guard asks on the device whether the loss and every
+gradient are finite (by their largest magnitude: a float32 norm overflows for finite large gradients).
+``skip_step`` reads the answer back every step (one sync a step on a GPU); ``raise`` and ``warn`` read it at
+once on a CPU and, on a GPU, a step later from pinned memory (no sync). The message names the step, the
+parameters, the hook specs touching them and, with forensics, the first module whose output went non-finite;
+:attr:`NonFiniteGuard.event` gives the step and forensics' onset. Narrative: docs/statistics.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +20,7 @@ from torch import nn
 
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.telemetry.observer import Observer
+from hookexp.telemetry.spike import Deferred
 
 log = logging.getLogger("hookexp.guard")
 POLICIES = ("raise", "skip_step", "warn", "off")
@@ -44,6 +37,15 @@ def all_finite(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> torch.Te
     if local:
         parts.append(torch.stack(torch._foreach_norm(local, float("inf"))).float())
     return torch.cat(parts).isfinite().all() if parts else torch.ones((), dtype=torch.bool)
+
+
+@dataclass
+class NonFinite:
+    """A non-finite step the guard reported: ``step``, and ``onset``, the step forensics' first-ranked target left
+    its range (None without forensics, or when nothing did)."""
+
+    step: int
+    onset: int | None = None
 
 
 class NonFiniteGuard(Observer):
@@ -65,7 +67,9 @@ class NonFiniteGuard(Observer):
         self.sync = device is None or device.type == "cpu" or policy == "skip_step"
         self.skipped = 0
         self.warned = 0
-        self._first: torch.Tensor | None = None  # the first non-finite step since the last log step (device)
+        self.deferred = Deferred()  # raise / warn on a GPU: each step's flag (-1, or the step), read a step later
+        self._told = False  # a deferred bad step was reported since the last log step (warn once a period)
+        self.event: NonFinite | None = None  # the last non-finite step reported
         self.forensics: Any = None  # a Forensics observer, asked where the first non-finite output came from
         self.producer: dict[str, Any] | None = None  # its answer for the first non-finite step
 
@@ -77,9 +81,8 @@ class NonFiniteGuard(Observer):
         finite = all_finite(loss, grads)
         if self.agree is not None:
             finite = self.agree(finite)
-        if not self.sync:  # raise / warn on a GPU: remember the first bad step, read it on the log step
-            here = torch.where(finite, -1, step)
-            self._first = here if self._first is None else torch.where(self._first >= 0, self._first, here)
+        if not self.sync:  # raise / warn on a GPU: the flag reaches the host a step later, without a sync
+            self.deferred.put(step, torch.where(finite, -1, step))
             return True
         if bool(finite):
             return True
@@ -97,21 +100,27 @@ class NonFiniteGuard(Observer):
         self.warned += 1
         log.warning("%s Going on (guard.nan_policy=warn).", message)
 
-    def pending(self) -> tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]:
-        """The deferred first bad step for the log step's read-back (None when every step was checked)."""
-        first, self._first = self._first, None
-        return (None if first is None else first.reshape(1).double()), self._decode
+    def _poll(self, wait: bool = False) -> None:
+        for _, (bad,) in self.deferred.ready(wait):
+            if bad >= 0 and not self._told:
+                self._told = True
+                self._report(self.describe(None, int(bad), deferred=True))
 
-    def _decode(self, values: Any) -> dict[str, Any]:
-        if len(values) and values[0] >= 0:
-            self._report(self.describe(None, int(values[0]), deferred=True))
-        return {}
+    def end(self, step: int) -> None:
+        self._poll()
+
+    def pending(self) -> tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]:
+        """A log step (it syncs anyway): every flag still on its way is read now."""
+        self._poll(wait=True)
+        self._told = False
+        return None, lambda values: {}
 
     def refuse_checkpoint(self, step: int, saved_step: int | None) -> None:
         """The model went non-finite before a checkpoint was due: raise (``raise``) or warn, naming the first bad
         step (read back from the device: checkpoints are rare) — never write that state."""
-        first = self._first
-        bad = int(first.item()) if first is not None and int(first.item()) >= 0 else step - 1
+        bad = next((int(v[0]) for _, v in self.deferred.ready(wait=True) if v[0] >= 0), step - 1)
+        if self.event is not None and self.event.step < step:
+            bad = self.event.step
         kept = f": the last good one (step {saved_step}) is kept" if saved_step is not None else \
             ", and there is no earlier one"
         message = f"{self.describe(None, bad, deferred=True)} No checkpoint was written at step {step}{kept}."
@@ -134,6 +143,7 @@ class NonFiniteGuard(Observer):
         params = ", ".join(bad[:most]) + (f" and {len(bad) - most} more" if len(bad) > most else "")
         hooks = ", ".join(self.touching([b.split(" ")[0] for b in bad])) or "none"
         now = " (now)" if deferred else ""
+        self.event = NonFinite(step)
         return (f"non-finite loss or gradient at step {step}: {loss_text}parameters{now}: {params or 'none'}; "
                 f"hooks touching them: {hooks}.{self._where(step)}")
 
@@ -145,6 +155,8 @@ class NonFiniteGuard(Observer):
             first = self.producer
             return f" The first non-finite module output was {first['module']}, at step {first['step']}."
         report = self.forensics.report(step, "non-finite")
+        if self.event is not None:
+            self.event.onset = report.onset
         outputs = report.nonfinite_outputs()
         if not outputs:
             return " No module output was non-finite (the loss or a gradient went first)."

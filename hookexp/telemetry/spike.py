@@ -1,28 +1,28 @@
-"""The spike recorder: ``guard.spike`` watches one logged metric against its recent history.
+"""The spike recorder (``guard.spike``): one metric against the median of its last ``window`` steps, every step.
 
-On every normal log step the metric (``train/loss``, ``grad/global_norm``, any scalar the run logs) is
-compared with the median of its last ``window`` values: above ``threshold`` times that median (and above
-``min_value``) is a spike. Then, for the next ``steps`` steps, the run logs every step, the ``record``
-specs it names (hook specs with the ``record`` transform, idle until then) keep what they see, a
-checkpoint is saved, and a line goes to ``spikes.jsonl`` with the step, the value, the median and the
-steps since the previous log step with their epoch and batch indices (what to replay) and, with
-``guard.forensics``, the targets ranked by the step each left its range (``first``). Then back to
-normal. The median of a window, not a mean and a standard deviation: a converged loss's tiny noise is
-not a spike, and one spike does not hide the next. Every finite value enters the window (a spike's, and
-those logged in the steps after it), so the median follows a lasting change of level: one spike, not one
-at every log step after it.
+``train/<metric>`` (from the meter's sums of the step) and ``grad/global_norm`` / ``grad/pre_clip_norm`` are
+judged at every step without a host sync: the step's values are copied to pinned memory and read a step later
+(at once on a CPU). Other metrics, and every metric under DDP/FSDP, are judged on the log steps. A spike turns
+on every-step logging and the ``record`` specs for ``steps`` steps and gives a :class:`Spike` (a row of
+spikes.jsonl, with forensics' ranking and its ``onset``). Narrative: docs/statistics.md, "Spikes".
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
+from hookexp.config import SpikeConfig
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.observer import Observer
+
+WARMUP = 5  # values in the window before the first judgement (a spike at step 25 of a run is seen)
+GRAD_NORMS = ("grad/global_norm", "grad/pre_clip_norm")  # both: the gradients' norm before any clip
 
 
 @dataclass
@@ -32,63 +32,99 @@ class Spike:
     value: float
     median: float
     forensics: Any = None  # the forensics Report (hookexp.telemetry.forensics) when forensics is on
+    onset: int | None = None  # the step the first-ranked target left its range (None without forensics)
 
     def row(self, period: list[dict[str, Any]]) -> dict[str, Any]:
         first = {"first": self.forensics.first} if self.forensics is not None else {}
         return {"trainer/step": self.step, "metric": self.metric, "value": self.value, "median": self.median,
-                "steps": period, **first}
+                "onset": self.onset, "steps": period, **first}
 
 
-@dataclass
+class Deferred:
+    """Small device tensors handed to the host without a sync: copied into pinned memory, read once the copy is
+    done (the next step, in practice); on a CPU at once."""
+
+    def __init__(self) -> None:
+        self.waiting: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self.free: list[torch.Tensor] = []
+
+    def put(self, step: int, values: torch.Tensor) -> None:
+        if values.device.type != "cuda":
+            self.waiting.append((step, values.detach().reshape(-1), None))
+            return
+        host = next((b for b in self.free if b.numel() == values.numel() and b.dtype == values.dtype), None)
+        if host is None:
+            host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
+        else:
+            self.free.remove(host)
+        host.copy_(values.detach().reshape(-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.waiting.append((step, host, event))
+
+    def ready(self, wait: bool = False) -> list[tuple[int, list[float]]]:
+        """The (step, values) whose copies are done (``wait``: all, waiting for them)."""
+        out = []
+        while self.waiting:
+            step, host, event = self.waiting[0]
+            if event is not None and not (wait or event.query()):
+                break
+            if event is not None:
+                event.synchronize()
+            self.waiting.popleft()
+            out.append((step, host.tolist()))
+            if event is not None:
+                self.free.append(host)
+        return out
+
+    def clear(self) -> None:
+        for _, host, event in self.waiting:
+            if event is not None:
+                event.synchronize()
+                self.free.append(host)
+        self.waiting.clear()
+
+
 class SpikeRecorder(Observer):
-    """The spike recorder (module docstring), an :class:`~hookexp.telemetry.observer.Observer`: it observes the
-    log steps' metrics, and turns the ``record`` specs of the hooks given to :meth:`pause_records` on for a
-    spike's window."""
+    """The spike recorder (module docstring). ``model``: whose gradients give the grad norms; ``meter``: the
+    :class:`~hookexp.telemetry.meter.TrainMeter` whose step sums give ``train/<metric>``; without them (or under
+    DDP, where the builder passes neither) the metric is judged on the log steps. ``metrics``: what the metric may
+    be (None: anything); ``record_specs``: the specs whose transform is ``record``, ``specs``: every spec."""
 
     optional_state: ClassVar[bool] = True  # checkpoints written before the spike recorder have no state for it
 
-    metric: str | None = None
-    window: int = 20
-    threshold: float = 3.0
-    steps: int = 10
-    min_value: float = 0.0
-    record: tuple[str, ...] = ()
-    checkpoint: bool = True
-    history: deque[float] = field(default_factory=deque)
-    until: int = -1  # the window after a spike: steps < until log every step
-    found: int = 0
-    hooks: Any = None  # the HookHandle whose record specs a spike turns on
-    forensics: Any = None  # a Forensics observer: a spike asks it which target left its range first
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None, record_specs: list[str], specs: list[str],
-                    metrics: list[str] | None = None) -> SpikeRecorder:
-        """``guard.spike``; ``record_specs``: the specs whose transform is ``record``, ``specs``: every spec;
-        ``metrics``: what the metric may be (logged on every log step with the same value on every rank, so that
-        all ranks see the same spikes; None: anything)."""
-        cfg = dict(cfg or {})
-        rec = cls(metric=cfg.get("metric"), window=cfg.get("window", 20), threshold=cfg.get("threshold", 3.0),
-                  steps=cfg.get("steps", 10), min_value=cfg.get("min_value", 0.0),
-                  record=tuple(cfg.get("record") or ()), checkpoint=cfg.get("checkpoint", True))
-        if rec.metric is not None and metrics is not None and rec.metric not in metrics:
-            raise ConfigError(f"{rec.metric!r} is not a metric every log step of this run gives alike on every rank."
-                              f"{did_you_mean(rec.metric, metrics)} Use one of: {', '.join(metrics)}.",
+    def __init__(self, config: SpikeConfig | None = None, model: torch.nn.Module | None = None, meter: Any = None,
+                 metrics: Sequence[str] | None = None, record_specs: Sequence[str] = (),
+                 specs: Sequence[str] = ()):
+        config = config if config is not None else SpikeConfig()
+        self.config = config
+        self.metric, self.window, self.threshold = config.metric, config.window, config.threshold
+        self.steps, self.min_value = config.steps, config.min_value
+        self.record, self.checkpoint = tuple(config.record or ()), config.checkpoint
+        if self.metric is not None and metrics is not None and self.metric not in metrics:
+            raise ConfigError(f"{self.metric!r} is not a metric every log step of this run gives alike on every "
+                              f"rank.{did_you_mean(self.metric, list(metrics))} Use one of: {', '.join(metrics)}.",
                               key="guard.spike.metric")
-        for key, value, least in (("window", rec.window, 1), ("steps", rec.steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.",
-                                  key=f"guard.spike.{key}")
-        if not rec.threshold > 1:
-            raise ConfigError(f"must be above 1 (a spike is the metric above threshold x its recent median), got "
-                              f"{rec.threshold!r}.", key="guard.spike.threshold")
-        for name in rec.record:
+        for name in self.record:
             if name not in record_specs:
-                why = ("it is not a hook spec of this run" + did_you_mean(name, specs) if name not in specs
+                why = ("it is not a hook spec of this run" + did_you_mean(name, list(specs)) if name not in specs
                        else "its transform is not 'record'")
                 raise ConfigError(f"{name!r} cannot be recorded on a spike: {why}. Name specs with transform: record "
                                   f"(this run's: {', '.join(record_specs) or 'none'}).", key="guard.spike.record")
-        rec.history = deque(maxlen=rec.window)
-        return rec
+        self.history: deque[float] = deque(maxlen=self.window)
+        self.until = -1  # the window after a spike: steps < until log every step
+        self.found = 0
+        self.hooks: Any = None  # the HookHandle whose record specs a spike turns on
+        self.forensics: Any = None  # a Forensics observer: a spike asks it which target left its range first
+        self.meter = meter if self.metric is not None and self.metric.startswith("train/") else None
+        self.params = [p for p in model.parameters() if p.requires_grad] \
+            if model is not None and self.metric in GRAD_NORMS else []
+        self.every_step = self.meter is not None or bool(self.params)
+        self.deferred = Deferred()
+        self.step = -1
+        self._mark: torch.Tensor | None = None
+        self._spike: Spike | None = None  # found, not yet given to the driver
+        self._last_judged = -1  # the step of the last value judged
 
     @property
     def enabled(self) -> bool:
@@ -103,38 +139,89 @@ class SpikeRecorder(Observer):
     def logging_every_step(self, step: int) -> bool:
         return step < self.until
 
+    # -- every step ----------------------------------------------------------------------------------------
+    def start(self, step: int, log: bool) -> None:
+        self.step = step
+        if self.meter is not None:
+            self._mark = self.meter._totals.clone()  # the step's sums: the totals at its end less these
+
+    def before_update(self) -> None:
+        if self.meter is not None and self._mark is not None:
+            self.deferred.put(self.step, self.meter._totals - self._mark)
+        elif self.params:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                with torch.no_grad():
+                    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                    self.deferred.put(self.step, torch.linalg.vector_norm(torch.stack(norms)))
+
+    def _poll(self, wait: bool = False) -> None:
+        for step, values in self.deferred.ready(wait):
+            value = self.meter.decode(values).get(self.metric, math.nan) if self.meter is not None else values[0]
+            self._judge(value, step)
+
+    def end(self, step: int) -> None:
+        """Reads the steps' values that reached the host; the step that ends a spike's window turns the record
+        specs off again."""
+        self._poll()
+        if self.record and self.hooks is not None and self.window_ended(step):
+            self.hooks.pause(self.record)
+
     def observe(self, metrics: Mapping[str, Any], step: int) -> Spike | None:
-        """A log step's metrics (step: the 0-based step they describe); a :class:`Spike` when one starts."""
+        """A log step's metrics (step: the 0-based step they describe); a :class:`Spike` found since the last log
+        step (its own ``step`` may be earlier than ``step``)."""
         if not self.enabled:
             return None
-        value = metrics.get(self.metric)
+        if self.every_step:
+            self._poll()
+        else:
+            self._judge(metrics.get(self.metric), step)
+        spike, self._spike = self._spike, None
+        return spike
+
+    def _judge(self, value: Any, step: int) -> None:
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None  # NaN/Inf is the non-finite guard's business
-        spike = None
-        if step >= self.until and len(self.history) == self.window:
-            median = sorted(self.history)[self.window // 2]
+            return  # NaN/Inf is the non-finite guard's business
+        if step >= self.until and len(self.history) >= min(self.window, WARMUP) and self._spike is None:
+            median = sorted(self.history)[len(self.history) // 2]
             if value > self.threshold * median and value > self.min_value:
                 self.until, self.found = step + 1 + self.steps, self.found + 1
                 spike = Spike(step, self.metric, float(value), float(median))
                 if self.forensics is not None:
-                    spike.forensics = self.forensics.report(step, f"spike of {self.metric}")
+                    since = self._rise(step, median) - 2 if self.every_step else self._last_judged
+                    spike.forensics = self.forensics.report(step, f"spike of {self.metric}", since)
+                    spike.onset = spike.forensics.onset
+                self._spike = spike
+                if self.record and self.hooks is not None:
+                    self.hooks.pause(self.record, paused=False)
         # every value enters the window, a spike's and those of the steps after it too: after a lasting rise (a
         # collapse, a new learning rate) the median moves up to the new level, and the rise is one spike
         self.history.append(float(value))
-        if spike is not None and self.record and self.hooks is not None:
-            self.hooks.pause(self.record, paused=False)
-        return spike
+        self._last_judged = step
 
-    def end(self, step: int) -> None:
-        """The step that ends a spike's window turns the record specs off again."""
-        if self.record and self.hooks is not None and self.window_ended(step):
-            self.hooks.pause(self.record)
+    def _rise(self, step: int, median: float) -> int:
+        """The first step of the run of values, up to the spike at ``step``, above sqrt(threshold) x the median:
+        where the metric began to rise (its cause is there or up to two steps before: a gradient changes the next
+        loss, its momentum the one after)."""
+        rise = step
+        for value in reversed(self.history):  # the steps before, newest first (judged every step: consecutive)
+            if value <= math.sqrt(self.threshold) * median:
+                break
+            rise -= 1
+        return rise
 
     def window_ended(self, step: int) -> bool:
         """Whether ``step`` (just finished) was the last of a spike's window."""
         return self.until >= 0 and step == self.until - 1
 
+    def reset_after_rollback(self, step: int) -> None:
+        """The run went back to ``step``: the values of the undone steps are dropped, unread (the history, the
+        window and the count are the snapshot's: :meth:`load_state_dict`)."""
+        self.deferred.clear()
+        self._spike = None
+
     def state_dict(self) -> dict[str, Any]:
+        self._poll(wait=True)  # a checkpoint: the values on their way belong to the steps it covers
         return {"history": list(self.history), "until": self.until, "found": self.found}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

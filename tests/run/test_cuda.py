@@ -24,7 +24,8 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     """torch's sync debug mode set to "error" from the end of each log step (its record handed to the
     sinks) to the start of the next: any synchronising CUDA call on the steps between (an .item(), a
     blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on, the gradient
-    noise scale (over two micro-batches) and the forensics ring buffer too."""
+    noise scale (over two micro-batches), the forensics ring buffer, the guard's and the spike recorder's every-step
+    judgements (their values reach the host through pinned memory) too."""
     start, log, evaluate = Observers.start, Sinks.log, Trainer.evaluate
     modes: dict[int, int] = {}
 
@@ -57,7 +58,8 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
         summary = train(config(*hooks, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
                                "stats.params=*", "stats.updates=*", "stats.optimizer=*", r"stats.group_by='re:^conv\d'",
                                "trainer.max_steps=30", "guard.nan_policy=raise", "trainer.accumulate=2",
-                               "stats.gns=true"), tmp_path)
+                               "stats.gns=true", "guard.spike.metric=train/loss", "guard.spike.threshold=1e3"),
+                      tmp_path)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert summary["status"] == "finished" and summary["hook/clip/calls"] == 30 * 8

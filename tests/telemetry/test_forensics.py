@@ -3,17 +3,22 @@ target that left its range first (the producer) before those it spread to."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import HELPERS, config, has_module, read_jsonl
 from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
+import hookexp
+from hookexp.config import ForensicsConfig
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.run.loop import run_job as train
 from hookexp.telemetry.forensics import Forensics, Target, draw
@@ -97,8 +102,9 @@ def test_the_docs_recipe_names_fc2_first(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-2000:]
     spike = the_spike(tmp_path / "runs" / "forensics_demo")
     assert [(e["target"], e["family"], e["step"], e.get("input")) for e in spike["first"][:3]] == [
-        ("fc2", "output", 30, "normal"), ("relu2", "output", 30, "abnormal"), ("fc3", "output", 30, "abnormal")]
-    assert (tmp_path / "runs" / "forensics_demo" / "forensics" / "step_30.png").exists()
+        ("fc2", "output", 25, "normal"), ("relu2", "output", 25, "abnormal"), ("fc3", "output", 25, "abnormal")]
+    assert spike["trainer/step"] == spike["onset"] == 25  # between log steps, at the default cadence
+    assert (tmp_path / "runs" / "forensics_demo" / "forensics" / "step_25.png").exists()
 
 
 class Net(nn.Module):
@@ -116,7 +122,7 @@ def test_the_buffer_holds_what_plain_torch_gives():
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.Adam(net.parameters(), lr=0.1)
-    forensics = Forensics(net, opt, window=4, updates=True)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4, updates=True))
     observers = Observers({"forensics": forensics}, opt)
     xs = [torch.randn(5, 3) for _ in range(3)]
     want = []
@@ -156,7 +162,7 @@ def test_the_buffer_holds_what_plain_torch_gives():
 def test_the_ring_keeps_the_last_window_steps_and_validation_is_not_recorded():
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    forensics = Forensics(net, opt, window=4)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4))
     observers = Observers({"forensics": forensics}, opt)
     for step in range(7):
         observers.start(step, False)
@@ -171,14 +177,23 @@ def test_the_ring_keeps_the_last_window_steps_and_validation_is_not_recorded():
     observers.close()
 
 
-def test_a_blip_long_before_the_event_is_noise_not_the_onset():
+def test_a_blip_before_the_cause_can_be_or_a_small_one_is_noise_not_the_onset():
+    import numpy as np
+
     from hookexp.telemetry.forensics import _onset
 
-    assert _onset([False, True, False, False, False, False, True]) == 6
-    assert _onset([False, True, True, False, True, True]) == 1  # one normal step inside a run keeps it one run
-    assert _onset([True, False, False, True]) == 3  # two end it
-    assert _onset([True, False, False, False, False]) is None
-    assert _onset([False] * 5) is None
+    def onset(bad: str, since: int, far: str | None = None) -> int | None:
+        return _onset(np.array([c == "x" for c in bad]), since, None if far is None else
+                      np.array([c == "x" for c in far]))
+
+    assert onset("-x----x", since=5) == 6  # the run that reaches the event
+    assert onset("-xx-xx", since=4) == 4  # one normal step ends a run (an early-training trend is no part of it)
+    assert onset("x----", since=3) is None  # a blip before the cause can be
+    assert onset("-----", since=3) is None
+    # a cause of a step or two whose effect lasts, from `since` on: its onset when it went far
+    assert onset("-x----x", since=1) == 1
+    assert onset("-x----x", since=1, far="-------") == 6  # a small blip is noise
+    assert onset("--xx----", since=2, far="---x----") == 2
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -207,7 +222,7 @@ def test_it_is_on_wherever_the_guard_or_the_spike_recorder_is(tmp_path: Path, mo
 def test_draw_writes_a_heatmap(tmp_path: Path):
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    forensics = Forensics(net, opt, window=8)
+    forensics = Forensics(net, opt, ForensicsConfig(window=8))
     observers = Observers({"forensics": forensics}, opt)
     for step in range(8):
         observers.start(step, False)
@@ -316,11 +331,11 @@ def test_the_hf_callback_names_the_module_that_went_first(tmp_path: Path):
 
 
 def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
-    """A tensor's norm is reused while it is unchanged; ReLU(inplace=True) changes it in place."""
+    """ReLU(inplace=True) overwrites fc's output: fc's norm is taken before it runs."""
     torch.manual_seed(0)
     net = nn.Sequential(OrderedDict(fc=nn.Linear(4, 8), relu=nn.ReLU(inplace=True), out=nn.Linear(8, 2)))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    forensics = Forensics(net, opt, window=4)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4))
     observers = Observers({"forensics": forensics}, opt)
     x = torch.randn(16, 4)
     observers.start(0, False)
@@ -332,5 +347,163 @@ def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
     rms = lambda t: float(t.norm() / math.sqrt(t.numel()))  # noqa: E731
     assert forensics.layout[:3] == [Target(m, "output") for m in ("fc", "relu", "out")]
     assert norms[0, :2].tolist() == pytest.approx([rms(h), rms(h.relu())], rel=1e-6)
-    assert ins[0].tolist() == pytest.approx([rms(x), rms(h.relu()), rms(h.relu())], rel=1e-6)
+    assert ins[0].tolist() == pytest.approx([rms(x), rms(h), rms(h.relu())], rel=1e-6)  # relu's input as it came
     observers.close()
+
+
+# -- at the default cadence (stats.every=10): a cause between log steps -----------------------------------------
+BETWEEN = 25  # between the log steps 20 and 30
+GPT_TEXT = ["task=causal_lm", "model=gpt", "data=text_file", f"data.path={Path(__file__).parents[2] / 'benchmarks'}/"
+            "corpus.txt", "data.block_size=16", "model.d_model=32", "model.n_head=2"]
+
+
+def injected(target: str, kind: str, factor: float, steps: int) -> str:
+    return f"+hooks.boom={{target: {target}, kind: {kind}, transform: scale, args: {{factor: {factor}}}, " \
+           f"start_step: {BETWEEN}, end_step: {BETWEEN + steps}}}"
+
+
+@pytest.mark.parametrize(("model", "target", "kind", "factor", "steps", "spiked", "first"), [
+    (["model=small_cnn"], "conv1", "forward", 50, 2, BETWEEN, ("conv1", "output")),
+    (["model=small_cnn"], "conv2", "forward", 50, 1, BETWEEN, ("conv2", "output")),
+    (["model=small_cnn"], "fc1", "forward", 50, 2, BETWEEN, ("fc1", "output")),
+    (["model=small_cnn"], "fc2", "forward", 50, 1, BETWEEN, ("fc2", "output")),
+    # the gradient x50 moves the weight (and its momentum) at step 25; the loss spikes two steps later
+    (["model=small_cnn"], "fc1.weight", "pre_step", 50, 1, BETWEEN + 2, ("fc1.weight", "grad")),
+    (["model=mlp"], "fc1", "forward", 50, 2, BETWEEN, ("fc1", "output")),
+    (["model=mlp"], "fc3", "forward", 50, 1, BETWEEN, ("fc3", "output")),
+    (GPT_TEXT, "norm", "forward", 50, 2, BETWEEN, ("norm", "output")),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_cause_between_log_steps_at_the_default_cadence_is_first(tmp_path: Path, model, target, kind, factor,
+                                                                     steps, spiked, first):
+    """Defaults (stats.every=10, guard.spike.window=20): the spike is seen at its step, 5 steps before the next
+    log step, and forensics names the injected layer first."""
+    train(config(*model, "trainer.max_steps=32", "guard.spike.metric=train/loss",
+                 injected(target, kind, factor, steps)), tmp_path)
+    spike = the_spike(tmp_path)
+    assert spike["trainer/step"] == spiked and spike["onset"] == BETWEEN
+    assert (spike["first"][0]["target"], spike["first"][0]["family"], spike["first"][0]["step"]) == (*first, BETWEEN)
+    logged = [r["trainer/step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert logged[:4] == [0, 10, 20, spiked + 1]  # then every step of the spike's window
+
+
+@pytest.mark.parametrize("target", ["blocks.0.attn.qkv", "blocks.1.mlp.fc"])
+def test_watch_names_a_gpt_block_layer_scaled_for_a_step(target: str):
+    """Inside a pre-norm GPT a x50 output moves the loss little (the layer norms): no spike, but forensics'
+    ranking at that step names the layer, before its block and everything after it."""
+    from hookexp.workloads.models import GPT
+
+    torch.manual_seed(0)
+    net = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    hooks = {"boom": {"target": target, "kind": "forward", "transform": "scale", "args": {"factor": 50.0},
+                      "start_step": BETWEEN, "end_step": BETWEEN + 1}}
+    ids = torch.randint(0, 32, (BETWEEN + 1, 8, 17), generator=torch.Generator().manual_seed(1))
+    with hookexp.watch(net, opt, hooks=hooks, forensics=True) as w:
+        for x in ids:
+            loss = nn.functional.cross_entropy(net(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        report = w.report(BETWEEN)
+    assert (report.first[0]["target"], report.first[0]["family"], report.first[0]["step"]) == (target, "output",
+                                                                                                  BETWEEN)
+    assert report.first[0]["input"] == "normal" and report.onset == BETWEEN
+
+
+# -- cost and torch.compile ---------------------------------------------------------------------------------------
+def small_cnn_and_gpt(name: str) -> tuple[nn.Module, Any]:
+    from hookexp.workloads.models import GPT, SmallCNN
+
+    torch.manual_seed(0)
+    if name == "small_cnn":
+        x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+        return SmallCNN(), lambda m: nn.functional.cross_entropy(m(x), y)
+    ids = torch.randint(0, 64, (8, 17))
+    return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=64), \
+        lambda m: nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+def aten_ops(name: str, make: Any, steps: int = 4) -> int:
+    """The aten ops of ``steps`` training steps (after 3 of warm-up) with the observers ``make(model, opt)``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model, loss_of = small_cnn_and_gpt(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    observers = Observers(make(model, opt), opt)
+    for step in range(3 + steps):
+        with Count() if step >= 3 else contextlib.nullcontext():
+            observers.start(step, False)
+            loss = loss_of(model)
+            loss.backward()
+            observers.allow_update(loss, step)
+            opt.step()
+            opt.zero_grad()
+            observers.end(step)
+    observers.close()
+    return Count.n // steps
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "gpt"])
+def test_a_step_costs_a_few_aten_ops_whatever_the_number_of_modules(name: str):
+    """benchmarks/detect_ops.py's counts: forensics, the spike recorder (the gradients' norm) and the guard."""
+    from hookexp.config import SpikeConfig
+    from hookexp.telemetry.guard import NonFiniteGuard
+    from hookexp.telemetry.spike import SpikeRecorder
+
+    base = aten_ops(name, lambda m, o: {})
+    assert aten_ops(name, lambda m, o: {"f": Forensics(m, o, ForensicsConfig())}) - base <= 20
+    assert aten_ops(name, lambda m, o: {"s": SpikeRecorder(SpikeConfig(metric="grad/global_norm"), m)}) - base <= 8
+    assert aten_ops(name, lambda m, o: {"g": NonFiniteGuard("raise", m)}) - base <= 12
+
+
+def compiled_buffers(name: str, compiled: bool) -> tuple[list[int], Any, dict, dict]:
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    model, loss_of = small_cnn_and_gpt(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    forensics = Forensics(model, opt, ForensicsConfig(window=4))
+    observers = Observers({"forensics": forensics}, opt)
+    run = torch.compile(model) if compiled else model
+    for step in range(4):
+        observers.start(step, False)
+        loss_of(run).backward()
+        opt.step()
+        opt.zero_grad()
+        observers.end(step)
+    observers.close()
+    return *forensics.history()[:2], dict(counters["graph_break"]), dict(guard_failures)
+
+
+def test_under_compile_forensics_records_what_eager_does_with_no_graph_break_nor_recompile():
+    """The hooks run inside the compiled graph (torch._dynamo's counters: no graph break, no guard failure)."""
+    steps, eager, _, _ = compiled_buffers("small_cnn", False)
+    steps_c, compiled, breaks, failures = compiled_buffers("small_cnn", True)
+    assert breaks == {} and failures == {}
+    assert steps_c == steps == [0, 1, 2, 3]
+    np.testing.assert_allclose(compiled, eager, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_compile_with_forensics_and_spikes_breaks_no_graph_and_recompiles_for_torch_only(tmp_path: Path):
+    """Past an epoch's end: dynamo recompiles for the smaller last batch and for validation's no_grad (torch's own
+    guards, with forensics off alike), never for hookexp's hooks."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    summary = train(config("trainer.compile=true", "trainer.max_steps=30", "guard.spike.metric=train/loss"),
+                    tmp_path)
+    assert summary["status"] == "finished" and dict(counters["graph_break"]) == {}
+    reasons = [str(r) for failures in guard_failures.values() for r in failures]
+    assert reasons and all("grad_mode" in r or "tensor 'args[0]' size mismatch at index 0" in r for r in reasons)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import HELPERS, config, read_jsonl
 
+from hookexp.config import SpikeConfig
 from hookexp.errors import ConfigError
 from hookexp.run.loop import run_job as train
 from hookexp.telemetry.spike import SpikeRecorder
@@ -23,29 +24,30 @@ def user_transforms(monkeypatch):
     monkeypatch.syspath_prepend(str(HELPERS))
 
 
-def test_a_spike_is_logged_every_step_recorded_checkpointed_and_written_with_its_batches(tmp_path: Path):
-    """Noisy logits at step 13; log steps every 5: the log step 15 averages steps 11..15 and is the spike."""
+def test_a_spike_is_seen_at_its_step_between_log_steps_then_logged_recorded_checkpointed_and_written(tmp_path: Path):
+    """Noisy logits at step 13; log steps every 5: the recorder judges every step, so step 13 is the spike, and the
+    steps after it log every step."""
     summary = train(config(*SPIKE, "stats.every=5", "trainer.max_steps=25", "trainer.accumulate=2",
                            "data.batch_size=32"), tmp_path)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
-    assert [r["trainer/step"] for r in rows] == [0, 5, 10, 15, 16, 17, 18, 20, 24]
+    assert [r["trainer/step"] for r in rows] == [0, 5, 10, 14, 15, 16, 20, 24]
     (spike,) = read_jsonl(tmp_path / "spikes.jsonl")
-    history = [rows[1]["train/loss"], rows[2]["train/loss"]]
-    assert spike["trainer/step"] == 15 and spike["metric"] == "train/loss" and spike["value"] == rows[3]["train/loss"]
-    assert spike["median"] == max(history) and spike["value"] > 3 * spike["median"]  # the upper of 2: the median
+    assert spike["trainer/step"] == 13 and spike["metric"] == "train/loss" and spike["value"] > 3 * spike["median"]
+    assert spike["median"] < 3 < 30 < spike["value"]  # the step's own loss, not a mean over the log period
+    assert spike["onset"] == 13 and spike["first"][0]["target"] == "fc2"  # the noisy logits: fc2's output
     per_epoch = 46  # the training digits in batches of 32
     want = [{"step": s, "epoch": 2 * s // per_epoch, "batches": [2 * s % per_epoch, 2 * s % per_epoch + 1]}
-            for s in range(11, 16)]
+            for s in range(11, 15)]
     assert spike["steps"] == want
     records = torch.load(tmp_path / "records" / "rec.pt", weights_only=True)
-    assert sorted({r["step"] for r in records}) == [16, 17, 18]  # the record spec acts only in the spike's window
+    assert sorted({r["step"] for r in records}) == [14, 15, 16]  # the record spec acts only in the spike's window
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)  # the spike's (none other was due)
-    assert ckpt["loop"]["step"] == 16 and ckpt["telemetry"]["spike"]["until"] == 19
+    assert ckpt["loop"]["step"] == 15 and ckpt["telemetry"]["spike"]["until"] == 17
     assert summary["guard/spikes"] == 1 and summary["status"] == "finished"
 
 
 def test_the_recorder_compares_with_the_median_of_its_window():
-    rec = SpikeRecorder.from_config({"metric": "m", "window": 3, "threshold": 2.0, "steps": 2}, [], [])
+    rec = SpikeRecorder(SpikeConfig(metric="m", window=3, threshold=2.0, steps=2))
     assert [rec.observe({"m": v}, s) for s, v in enumerate([1.0, 5.0, 1.2])] == [None] * 3  # filling the window
     assert rec.observe({"m": 2.3}, 3) is None  # median 1.2: 2.3 < 2.4
     spike = rec.observe({"m": 9.0}, 4)
@@ -59,7 +61,7 @@ def test_the_recorder_compares_with_the_median_of_its_window():
 def test_a_lasting_rise_is_one_spike_and_the_median_follows_it():
     """A loss at 0.17 that jumps to 0.3-2.8 and stays there (a collapse to chance) is one spike; the
     median moves up to the new level with the values logged during and after the spike's steps."""
-    rec = SpikeRecorder.from_config({"metric": "m", "window": 5, "threshold": 3.0, "steps": 3}, [], [])
+    rec = SpikeRecorder(SpikeConfig(metric="m", window=5, threshold=3.0, steps=3))
     before = [0.17, 0.18, 0.1746, 0.16, 0.19]
     after = [2.8, 2.1, 0.3, 1.9, 2.5, 1.7, 2.2, 0.9, 2.6, 2.0, 1.8, 2.4, 2.3, 1.1, 2.7]
     spikes = [rec.observe({"m": v}, s) for s, v in enumerate(before + after)]
@@ -83,12 +85,12 @@ def test_a_metric_the_run_does_not_log_alike_on_every_rank_is_refused(tmp_path: 
 
 def test_bad_spike_settings_name_their_key():
     with pytest.raises(ConfigError, match=r"^guard\.spike\.threshold: must be above 1"):
-        SpikeRecorder.from_config({"metric": "m", "threshold": 0.5}, [], [])
+        SpikeConfig(metric="m", threshold=0.5)
     for window in (0, True):
         with pytest.raises(ConfigError, match=r"^guard\.spike\.window: must be a whole number of at least 1"):
-            SpikeRecorder.from_config({"metric": "m", "window": window}, [], [])
+            SpikeConfig(metric="m", window=window)
     with pytest.raises(ConfigError, match=r"^guard\.spike\.record: 'recc' cannot be recorded on a spike: it is not a "
                                           r"hook spec of this run.*Did you mean 'rec'"):
-        SpikeRecorder.from_config({"metric": "m", "record": ["recc"]}, ["rec"], ["rec", "clamp"])
+        SpikeRecorder(SpikeConfig(metric="m", record=["recc"]), record_specs=["rec"], specs=["rec", "clamp"])
     with pytest.raises(ConfigError, match=r"'clamp' cannot be recorded on a spike: its transform is not 'record'"):
-        SpikeRecorder.from_config({"metric": "m", "record": ["clamp"]}, ["rec"], ["rec", "clamp"])
+        SpikeRecorder(SpikeConfig(metric="m", record=["clamp"]), record_specs=["rec"], specs=["rec", "clamp"])
