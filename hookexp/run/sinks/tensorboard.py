@@ -24,8 +24,9 @@ def _tensorboard_missing(error: BaseException | str = "") -> MissingExtraError:
 
 class TensorBoardSink:
     """TensorBoard event files under ``<run_dir>/tensorboard`` (``logger=tensorboard``; ``tensorboard --logdir
-    <run_dir>``), written by ``torch.utils.tensorboard.SummaryWriter``: every scalar at its ``trainer/step``
-    (stored as float64, so that it equals ``metrics.jsonl``'s value), every histogram (``add_histogram_raw``: the
+    <run_dir>``), written by ``torch.utils.tensorboard.SummaryWriter``: every scalar at its ``trainer/step`` as a
+    classic scalar summary (float32, as every TensorBoard reader expects: ``EventAccumulator.Scalars``, tbparse),
+    every histogram (``add_histogram_raw``: the
     bin edges as bucket limits after an empty first bucket, as TensorBoard's own histograms; ``sum`` and
     ``sum_squares`` from the bin centres, hookexp counts values only), the hooks table, the config, each spike
     and the summary as text, and the plots as images. A resumed run drops the events written after its
@@ -61,7 +62,7 @@ class TensorBoardSink:
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         for key, value in metrics.items():
             if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, float(value), step, new_style=True, double_precision=True)
+                self.writer.add_scalar(key, float(value), step)
 
     def log_histograms(self, histograms: Histograms, step: int) -> None:
         for key, (counts, edges) in histograms.items():
