@@ -262,3 +262,15 @@ def test_resuming_with_another_config_lists_the_differences(tmp_path):
                    tmp_path / "c")
     assert longer["trainer/steps"] == 6
     assert [r["trainer/step"] for r in read_jsonl(tmp_path / "c" / "metrics.jsonl") if "train/loss" in r][:1] == [0]
+
+
+def test_a_directory_where_the_checkpoint_goes_is_named_with_the_fix(tmp_path):
+    """checkpoints/last.pt made a directory (by hand, or a tool): the error says so and how to fix it."""
+    (tmp_path / "checkpoints" / "last.pt").mkdir(parents=True)
+    with pytest.raises(RunFilesError) as e:
+        train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    assert str(e.value) == (f"cannot write {path}: it is a directory, and hookexp writes a file there. Everything "
+                            f"written before is intact. Move the directory away or delete it (rm -r {path}), then "
+                            f"continue with resume=true hydra.run.dir={tmp_path} (from its last checkpoint).")
+    assert path.is_dir() and not (tmp_path / "metrics.jsonl").exists()  # refused before training

@@ -162,7 +162,11 @@ class Checkpointer(ShardedFormat, StopSignals):
 
     # -- writing ---------------------------------------------------------------------------------------
     def clean(self) -> None:
-        """Remove temporary files (and, under FSDP, directories) a kill inside a write left behind."""
+        """Remove temporary files (and, under FSDP, directories) a kill inside a write left behind; refuse a
+        directory where a checkpoint file goes (before training, not at the first checkpoint)."""
+        for name in () if self.sharded else (self.name, self.previous_name):
+            if (self.dir / name).is_dir():
+                raise files_error(self.dir / name, IsADirectoryError(name), self.run_dir)
         if self.dir.is_dir():
             for tmp in self.dir.glob(".*.tmp"):
                 if tmp.is_dir():
