@@ -197,7 +197,7 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     task = build_task(cfg, overrides)
     goal = stop_goal(cfg, task)
     loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
-    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model",
+    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides, only_written=True), loaders.info, "model",
                           derived_from_examples(loaders, task))
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
