@@ -38,14 +38,18 @@ from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
 from hookexp.goals import objective, objective_value
 from hookexp.run import launchers, rundir
-from hookexp.run.hydra_api import HYDRA_PRIVATE, check_hook_files, hydra_private, unknown_keys_as_additions
+from hookexp.run.hydra_api import (HYDRA_PRIVATE, check_hook_files, hook_files_defining, hydra_errors_as_ours,
+                                   hydra_private, unknown_keys_as_additions)
 
 log = logging.getLogger("hookexp")
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, defined_in: typing.Callable[[str], list[str]] | None = None,
+                 sets: typing.Sequence[str] = ()) -> None:
     """Keys added with ``+key=value`` must be ones hookexp reads: at the top level and inside the typed groups
-    (``+trainer.epoch=3`` is a typo, not a new setting)."""
+    (``+trainer.epoch=3`` is a typo, not a new setting). ``defined_in(name)``: the hook files that define a spec
+    the run has not loaded (``hooks.clamp_conv.args.min=-1`` without ``hooks=clamp_conv``); ``sets``: the hook
+    files chosen (``hooks=[a,b]``)."""
     known = set(HookexpConfig.__dataclass_fields__) | set(EXTRA_KEYS)
     for key in cfg:
         if key not in known:
@@ -57,6 +61,12 @@ def check_config(cfg: DictConfig) -> None:
     specs = [str(name) for name in cfg.get("hooks") or {}]
     for name in specs:  # hooks.clmap_conv.args.min=1: a misspelled spec name, not a new spec
         if isinstance(cfg.hooks[name], DictConfig) and not {"target", "kind"} & set(cfg.hooks[name]):
+            if files := (defined_in(name) if defined_in else []):
+                chosen = [s for s in sets if s not in ("none", files[0])]
+                add = f"hooks=[{','.join([*chosen, files[0]])}]" if chosen else f"hooks={files[0]}"
+                raise ConfigError(f"no hook spec named {name!r} in this run: conf/hooks/{files[0]}.yaml defines it, "
+                                  f"and this run does not load that file: select it with {add}.",
+                                  key=f"hooks.{name}")
             raise ConfigError(f"no hook spec named {name!r}.{did_you_mean(name, set(specs) - {name})} The specs are: "
                               f"{', '.join(s for s in specs if s != name) or '(none)'}; a new spec needs a target and "
                               f"a kind (+hooks.{name}={{target: fc1, kind: forward, ...}}).", key=f"hooks.{name}")
@@ -128,8 +138,11 @@ def run(cfg: DictConfig) -> Any:
     when lower is better (:func:`hookexp.goals.objective_value`)."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    check_config(cfg)
     overrides = list(hc.overrides.task)
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.startswith("hooks=")), "none")  # a list: no choice
+    sets = chosen.strip("[]").replace(" ", "").split(",")
+    check_config(cfg, lambda name: hook_files_defining(name, hc.job.config_name, [*hc.overrides.hydra, *overrides]),
+                 sets)
     check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
@@ -286,7 +299,7 @@ def main() -> None:
     sys.argv = [sys.argv[0], *others, *overrides]
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun only rank 0 writes: Hydra's files too
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    with unknown_keys_as_additions():
+    with unknown_keys_as_additions(), hydra_errors_as_ours():
         _hydra_main()
 
 
