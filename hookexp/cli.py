@@ -38,8 +38,14 @@ from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
 from hookexp.goals import objective, objective_value
 from hookexp.run import launchers, rundir
-from hookexp.run.hydra_api import (HYDRA_PRIVATE, check_hook_files, hook_files_defining, hydra_errors_as_ours,
-                                   hydra_private, unknown_keys_as_additions)
+from hookexp.run.hydra_api import (
+    HYDRA_PRIVATE,
+    check_hook_files,
+    hook_files_defining,
+    hydra_errors_as_ours,
+    hydra_private,
+    unknown_keys_as_additions,
+)
 
 log = logging.getLogger("hookexp")
 

@@ -189,7 +189,8 @@ def hydra_private(name: str, replace: Any = None) -> Any:
     except (ImportError, AttributeError):
         found, moved = None, True
     if moved:
-        raise HookexpError(f"hookexp uses Hydra's private {module}.{cls + '.' if cls else ''}{attr}({', '.join(params)}), which "
+        where = f"{module}.{cls}" if cls else module
+        raise HookexpError(f"hookexp uses Hydra's private {where}.{attr}({', '.join(params)}), which "
                            f"hydra-core {hydra.__version__} does not have (a Hydra release moved it). hookexp "
                            f"supports hydra-core{HYDRA_SUPPORTED}: pip install 'hydra-core{HYDRA_SUPPORTED}'.")
     if replace is not None:

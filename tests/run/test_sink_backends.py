@@ -36,7 +36,6 @@ def same(a: float, b: float) -> bool:
 def test_tensorboard_holds_the_local_files_scalars_histograms_and_the_hooks_table(tmp_path: Path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing import event_accumulator as ea
-    from tensorboard.util import tensor_util
 
     cfg = compose("logger=tensorboard", "hooks=clamp_conv", "trainer.max_steps=5", "stats.every=2",
                   "stats.hist_bins=8", "trainer.eval_every=3", "trainer.progress=false")
