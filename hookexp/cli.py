@@ -152,15 +152,18 @@ def run(cfg: DictConfig) -> Any:
     check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
-    from hookexp.run.build import build_task, logged_metrics  # torch is imported only once the config is checked
+    # torch is imported only once the config is checked
+    from hookexp.run.build import build_task, check_targets, logged_metrics
     from hookexp.run.loop import dry_run, train
 
     # the sweep objective: a name the task does not log is refused before anything trains
     metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
 
-    log.info("run directory: %s", run_dir)
+    check_targets(cfg, overrides)  # the model's and optimizer's keys, before the data is loaded
     if cfg.get("dry_run"):
-        return dry_run(cfg, run_dir, overrides)
+        dry_run(cfg, run_dir, overrides)
+        log.info("run directory: %s", run_dir)
+        return None
     summary = train(cfg, run_dir, overrides)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
@@ -226,7 +229,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
             return float("nan")
         if RunDirPolicy.created.get(str(run_dir)):
             logging.shutdown()
-            rundir.remove_unstarted(run_dir)
+            rundir.remove_unstarted(run_dir, RunDirPolicy.parents.get(str(run_dir)))
         if isinstance(e, HookexpError):
             print(f"\nhookexp: error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -247,6 +250,7 @@ class RunDirPolicy(Callback):
     """Before Hydra writes anything into the run (or sweep) directory: refuse one that holds results."""
 
     created: ClassVar[dict[str, bool]] = {}  # run dir -> whether this launch creates it
+    parents: ClassVar[dict[str, list[Path]]] = {}  # run dir -> the folders above it this launch creates
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         launchers.check_launcher(config.hydra.get("launcher"), multirun=False)
@@ -254,6 +258,7 @@ class RunDirPolicy(Callback):
             run_dir = Path(os.path.abspath(str(config.hydra.run.dir)))
         except Exception:  # an interpolation only the job can resolve: the run layer checks it then
             return
+        self.parents[str(run_dir)] = rundir.new_parents(run_dir)
         _exit_on_error(lambda: self.created.__setitem__(
             str(run_dir), rundir.claim(run_dir, config.get("resume"), config.get("overwrite"))))
 

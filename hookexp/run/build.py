@@ -25,7 +25,15 @@ from omegaconf import DictConfig, OmegaConf
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.goals import Reach
 from hookexp.run.distributed import Dist, shard
-from hookexp.run.instantiate import drop_inherited, fill_auto, instantiate, parameters_of, target_of, unpartial
+from hookexp.run.instantiate import (
+    check_arguments,
+    drop_inherited,
+    fill_auto,
+    instantiate,
+    parameters_of,
+    target_of,
+    unpartial,
+)
 from hookexp.run.loaders import Loaders, make_loaders
 from hookexp.run.precision import DTYPES
 from hookexp.workloads.tasks import Classification, Task
@@ -137,6 +145,17 @@ def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
         raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.tasks.Task. Subclass "
                           "hookexp.tasks.Task (override loss, and sums/metric_names for more metrics).", key="task")
     return task
+
+
+def check_targets(cfg: DictConfig, overrides: list[str] | None = None) -> None:
+    """The model's and the optimizer's keys against their targets' signatures (unknown names, text for numbers),
+    before the data is loaded and anything is built: a typo fails in a second, not after the data."""
+    model = drop_inherited(cfg.model, "model", overrides, only_written=True)
+    check_arguments(target_of(model, "model"), {str(k): v for k, v in model.items() if not str(k).startswith("_")
+                                                and v != "auto"}, "model")
+    optim = drop_inherited(cfg.optim, "optim", overrides)
+    check_arguments(target_of(optim, "optim"), {str(k): v for k, v in optim.items() if not str(k).startswith("_")},
+                    "optim", ["params"])
 
 
 def logged_metrics(task: Task) -> list[str]:

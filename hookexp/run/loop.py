@@ -8,6 +8,7 @@ restoring the loop state is :mod:`hookexp.run.checkpoint`; what gets measured is
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,6 +54,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, *,
         if resumed is not None:  # the weights before the hooks attach (see Checkpointer.restore_weights)
             ckpt.restore_weights(resumed)
         trainer = Trainer(cfg, parts, ckpt, resumed)
+    if ranks.is_main:  # now certain to exist and to stay: a failure before here removes it
+        logging.getLogger("hookexp").info("run directory: %s", run_dir)
     trainer.started = started
     return trainer.fit()
 

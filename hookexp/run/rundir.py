@@ -149,7 +149,17 @@ def resume_overrides(overrides: list[str]) -> list[str]:
     return [*kept, *extra, "resume=true", f"hydra.run.dir={run_dir}"]
 
 
-def remove_unstarted(run_dir: Path) -> None:
-    """After a launch failed before training: remove the directory it created (nothing of a run is in it)."""
+def new_parents(run_dir: Path) -> list[Path]:
+    """The folders above ``run_dir`` that do not exist yet (a launch creates them: ``outputs/<date>``)."""
+    return [p for p in run_dir.parents if not p.exists()]
+
+
+def remove_unstarted(run_dir: Path, parents: list[Path] | None = None) -> None:
+    """After a launch failed before training: remove the directory it created (nothing of a run is in it), and of
+    ``parents`` (:func:`new_parents`, before the launch) those left empty (``outputs/<date>/``)."""
     if run_dir.is_dir() and not (run_dir / "manifest.json").exists() and not (run_dir / "dry_run.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in parents or []:  # nearest first
+        if run_dir.exists() or not parent.is_dir() or any(parent.iterdir()):
+            break
+        parent.rmdir()

@@ -120,6 +120,20 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     assert not (workdir / "run").exists()
 
 
+def test_a_start_that_fails_while_building_prints_no_run_directory_and_leaves_no_date_folder(workdir):
+    """A model key the target does not take is refused before the data loads; the run directory is printed only
+    once it is sure to stay, and the timestamped folder and its date folder are both removed."""
+    done = run_cli(["model.hiden=3", "logger=none"], workdir)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("hookexp: error: model.hiden: SmallCNN has no parameter")
+    assert "run directory" not in done.stdout + done.stderr
+    assert not (workdir / "outputs").exists()
+    (workdir / "mine").mkdir()
+    done = run_cli(["task=causal_lm", "logger=none", "hydra.run.dir=mine/a/b"], workdir)  # fails after the data
+    assert done.returncode == 2 and "run directory" not in done.stdout + done.stderr
+    assert list((workdir / "mine").iterdir()) == []  # the folders it made are gone, the user's own stays
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["hooks=clamp_cnv,none"], "hookexp: error: hooks: no option 'clamp_cnv' "),
     (["trainer.epochs=1,abc"], "hookexp: error: trainer.epochs: 'abc' is not a whole number (int)."),
