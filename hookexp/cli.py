@@ -15,6 +15,7 @@ W&B runs of a sweep are grouped by the sweep directory and named by the job's ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,6 +23,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import traceback
 import typing
 from pathlib import Path
@@ -165,6 +167,8 @@ def run(cfg: DictConfig) -> Any:
         log.info("run directory: %s", run_dir)
         return None
     summary = train(cfg, run_dir, overrides)
+    if summary.get("nothing_to_do"):  # resumed at its finished end: said so, nothing written
+        return objective_value(metric, summary)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
         rundir.remove_unstarted(run_dir)  # torchrun: this rank's Hydra named its own directory; the run is rank 0's
@@ -217,12 +221,50 @@ def resume_command(run_dir: Path) -> str:
     return shlex.join([*head, *tail])
 
 
+class StoppedDuringStartUp(BaseException):
+    """SIGTERM/SIGINT before the trainer took the signals over (start-up: composing, building, loading data)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_start_up(signum: int, frame: Any) -> None:
+    raise StoppedDuringStartUp(signum)
+
+
+@contextlib.contextmanager
+def _start_up_signals() -> typing.Iterator[None]:
+    """SIGTERM/SIGINT during start-up end the job with one line and 128 + the signal (a job scheduler's preemption,
+    Ctrl-C), not with Python's default handler (rc -15, no message) or a KeyboardInterrupt traceback. The trainer
+    installs its own handlers (checkpoint, then stop) for the steps, and restores these after them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _stop_start_up) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is _stop_start_up:  # a finished run set SIG_IGN: keep that
+                signal.signal(sig, handler)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://hookexp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
     hc = HydraConfig.get()
     run_dir = Path(os.path.abspath(hc.runtime.output_dir))
     try:
-        return run(cfg)
+        with _start_up_signals():
+            return run(cfg)
+    except StoppedDuringStartUp as e:
+        if RunDirPolicy.created.get(str(run_dir)):
+            logging.shutdown()
+            rundir.remove_unstarted(run_dir, RunDirPolicy.parents.get(str(run_dir)))
+        print(f"\nhookexp: stopped by signal {e.signum} during start-up, before the first step: nothing was trained. "
+              f"Run the same command again (with resume=true hydra.run.dir={run_dir} it starts from step 0 if there "
+              "is no checkpoint yet).", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except Exception as e:
         if hc.mode == RunMode.MULTIRUN:
             _record_failure(run_dir, list(hc.overrides.task), e)

@@ -13,6 +13,7 @@ No torch here: the CLI imports this before composing, and ``--help`` must stay f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -163,3 +164,32 @@ def remove_unstarted(run_dir: Path, parents: list[Path] | None = None) -> None:
         if run_dir.exists() or not parent.is_dir() or any(parent.iterdir()):
             break
         parent.rmdir()
+
+
+def set_aside(run_dir: Path, launch: Launch = CLI) -> Path | None:
+    """``resume=true`` where ``run_dir`` holds no checkpoint (a requeued command whose first attempt never got to
+    one): the files of that attempt are moved into ``run_dir/attempt-N/`` (returned; None when there were none), and
+    the run starts from step 0. A run that finished without a checkpoint is refused instead, naming
+    ``trainer.checkpoint_every``: running it again is not resuming it."""
+    summary = run_dir / "summary.json"
+    try:
+        done = json.loads(summary.read_text()) if summary.is_file() else {}
+    except (OSError, ValueError):
+        done = {}
+    if done.get("status") == "finished":
+        raise RunDirError(f"{run_dir} holds a run that finished at step {done.get('trainer/steps', '?')} without a "
+                          "checkpoint to continue from (with trainer.checkpoint_every=0 a run checkpoints only when "
+                          "a signal stops it). Start a new run with trainer.checkpoint_every=N (its last step is "
+                          f"checkpointed too, so it can be extended later), or run this one again with "
+                          f"{launch.overwrite}.", key=launch.resume_key)
+    found = [name for name in results_in(run_dir) if name != "checkpoints"]
+    if not found:
+        return None
+    n = 1
+    while (run_dir / f"attempt-{n}").exists():
+        n += 1
+    attempt = run_dir / f"attempt-{n}"
+    attempt.mkdir()
+    for name in found:
+        os.replace(run_dir / name, attempt / name)
+    return attempt

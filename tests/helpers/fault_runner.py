@@ -10,6 +10,7 @@ Modes:
 - ``enospc_in_checkpoint:N``: the N-th checkpoint file fills the disk after 100 bytes (OSError ENOSPC inside
   torch.save, which torch's zip writer turns into a RuntimeError).
 - ``term_after_finish``: SIGTERM to itself as it logs that the run finished.
+- ``term_in_startup``: SIGTERM to itself while the run is built (before the first step).
 - ``fsize:BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE; writes past it fail with EFBIG): a full disk.
 """
 
@@ -112,6 +113,16 @@ def main() -> None:
                 return True
 
         logging.getLogger("hookexp").addFilter(Term())
+    elif name == "term_in_startup":
+        from hookexp.run import loop
+
+        real_build = loop.build
+
+        def build(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real_build(*a, **k)
+
+        loop.build = build
     elif name == "fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.RLIM_INFINITY))

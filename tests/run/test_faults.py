@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, config, helpers_path, read_jsonl, wandb_summary
+from conftest import HELPERS, config, helpers_path, read_jsonl, run_cli, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.loop import train
@@ -274,3 +274,53 @@ def test_a_directory_where_the_checkpoint_goes_is_named_with_the_fix(tmp_path):
                             f"written before is intact. Move the directory away or delete it (rm -r {path}), then "
                             f"continue with resume=true hydra.run.dir={tmp_path} (from its last checkpoint).")
     assert path.is_dir() and not (tmp_path / "metrics.jsonl").exists()  # refused before training
+
+
+def test_sigterm_during_start_up_is_one_line_and_the_requeued_command_starts_from_step_0(tmp_path):
+    """A preemptible cluster's SIGTERM before the first step: rc 143 and one line (not rc -15 and nothing); the
+    requeued command, resume=true, finds no checkpoint and starts from step 0, saying so."""
+    args = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "logger=none", "hydra.run.dir=run"]
+    done = fault(tmp_path, "term_in_startup", *args)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hookexp: stopped by signal 15 during start-up, before the first step: nothing was trained. Run the same "
+        f"command again (with resume=true hydra.run.dir={tmp_path / 'run'} it starts from step 0 if there is no "
+        "checkpoint yet).")
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+    again = run_cli([*args, "resume=true"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resume: {tmp_path / 'run'} holds no checkpoint: starting from step 0" in again.stdout + again.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["trainer/steps"] == 4
+
+
+def test_resume_where_an_attempt_never_checkpointed_keeps_its_files_aside_and_starts_from_step_0(tmp_path):
+    args = ["trainer.max_steps=12", "stats.every=1"]  # no trainer.checkpoint_every: no checkpoint
+    killed = fault(tmp_path, "kill_in_metrics:1", *args, "logger=none", "hydra.run.dir=run")  # the first flush
+    assert killed.returncode == -9 and not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+    before = {name: (tmp_path / "run" / name).read_bytes() for name in ("metrics.jsonl", "manifest.json")}
+    resumed = train(config(*args, "resume=true"), tmp_path / "run")
+    assert resumed["status"] == "finished" and resumed["trainer/steps"] == 12
+    assert {name: (tmp_path / "run" / "attempt-1" / name).read_bytes() for name in before} == before
+    train(config(*args), tmp_path / "straight")
+    same_results(tmp_path / "straight", tmp_path / "run")
+
+
+def test_resume_of_a_finished_run_names_checkpoint_every_or_says_nothing_to_do(tmp_path, caplog):
+    from hookexp.errors import RunDirError
+
+    train(config("trainer.max_steps=3"), tmp_path / "plain")  # no checkpoint_every: no checkpoint
+    with pytest.raises(RunDirError) as e:
+        train(config("trainer.max_steps=6", "resume=true"), tmp_path / "plain")
+    assert str(e.value) == (
+        f"resume: {tmp_path / 'plain'} holds a run that finished at step 3 without a checkpoint to continue from "
+        "(with trainer.checkpoint_every=0 a run checkpoints only when a signal stops it). Start a new run with "
+        "trainer.checkpoint_every=N (its last step is checkpointed too, so it can be extended later), or run this "
+        "one again with +overwrite=true.")
+    train(config("trainer.max_steps=3", "trainer.checkpoint_every=2"), tmp_path / "kept")
+    files = {p: p.read_bytes() for p in (tmp_path / "kept").rglob("*") if p.is_file()}
+    with caplog.at_level("INFO", logger="hookexp"):
+        again = train(config("trainer.max_steps=3", "trainer.checkpoint_every=2", "resume=true"), tmp_path / "kept")
+    assert again["status"] == "finished" and again["trainer/steps"] == 3
+    assert (f"nothing to do: the run in {tmp_path / 'kept'} finished at step 3; raise trainer.max_steps to "
+            "continue") in caplog.text
+    assert {p: p.read_bytes() for p in (tmp_path / "kept").rglob("*") if p.is_file()} == files

@@ -473,12 +473,14 @@ def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_
         "checkpoints, plots); a new run there would mix its results with that one's. Continue that run with "
         "train(cfg, run_dir, resume=True), start it over with train(cfg, run_dir, overwrite=True) (deletes its "
         "results), or pass another run_dir.")
+    missing = tmp_path / "other" / "checkpoints" / "last.pt"
     with pytest.raises(CheckpointError) as e:
-        run_train(cfg(2), tmp_path / "other", resume=True)
+        run_train(cfg(2), tmp_path / "third", resume=str(missing))
     assert str(e.value) == (
-        f"train(resume=...): there is no checkpoint at {tmp_path / 'other' / 'checkpoints' / 'last.pt'}. train(cfg, "
+        f"train(resume=...): there is no checkpoint at {missing}. train(cfg, "
         "run_dir, resume=True) continues the run in run_dir (pass the interrupted run's directory); resume=PATH names "
         "a checkpoint or run directory.")
+    assert run_train(cfg(2), tmp_path / "other", resume=True)["trainer/steps"] == 2  # no checkpoint yet: step 0 on
     resumed = run_train(cfg(4), run, resume=True)  # continues from step 2
     assert resumed["trainer/steps"] == 4
     steps = [r["trainer/step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
