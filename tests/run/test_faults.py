@@ -324,3 +324,26 @@ def test_resume_of_a_finished_run_names_checkpoint_every_or_says_nothing_to_do(t
     assert (f"nothing to do: the run in {tmp_path / 'kept'} finished at step 3; raise trainer.max_steps to "
             "continue") in caplog.text
     assert {p: p.read_bytes() for p in (tmp_path / "kept").rglob("*") if p.is_file()} == files
+
+
+def test_a_full_disk_under_tensorboard_is_the_same_paragraph_and_keeps_what_was_written(tmp_path):
+    """TensorBoard's writer thread hits the limit first (its event file grows faster than metrics.jsonl): one
+    paragraph naming the event file, rc 2, no thread traceback; the events and lines before it read back."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    done = fault(tmp_path, "fsize:60000", "trainer.max_steps=60", "stats.every=1", "logger=tensorboard",
+                 "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"hookexp: error: cannot write {events}: the file size limit is reached. Everything written before is intact")
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    assert metrics.endswith(b"\n") and all(json.loads(line) for line in metrics.splitlines())
+    acc = ea.EventAccumulator(str(events.parent))
+    acc.Reload()
+    logged = [r["train/loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    seen = [e.value for e in acc.Scalars("train/loss")]
+    assert 5 < len(seen) <= len(logged) and seen == pytest.approx(logged[:len(seen)], rel=1e-6)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
