@@ -352,6 +352,10 @@ def main() -> None:
     sys.argv = [sys.argv[0], *others, *overrides]
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun only rank 0 writes: Hydra's files too
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    # A log file that cannot be written (a full disk: cli.log, W&B's debug log) drops the record instead of printing
+    # logging's "--- Logging error ---" traceback (which W&B's console capture then fails on): the run's own error
+    # says what went wrong, in one paragraph.
+    logging.raiseExceptions = False
     with unknown_keys_as_additions(), hydra_errors_as_ours():
         _hydra_main()
 

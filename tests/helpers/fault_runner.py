@@ -12,6 +12,8 @@ Modes:
 - ``term_after_finish``: SIGTERM to itself as it logs that the run finished.
 - ``term_in_startup``: SIGTERM to itself while the run is built (before the first step).
 - ``fsize:BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE; writes past it fail with EFBIG): a full disk.
+- ``full_disk:BYTES``: ``fsize:BYTES``, and every log file (``logging.FileHandler``: cli.log, W&B's debug log)
+  refuses writes with ENOSPC from the start, as on a disk that is full.
 """
 
 from __future__ import annotations
@@ -123,9 +125,19 @@ def main() -> None:
             return real_build(*a, **k)
 
         loop.build = build
-    elif name == "fsize":
+    elif name in ("fsize", "full_disk"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.RLIM_INFINITY))
+        if name == "full_disk":
+            import errno
+            import io
+            import logging
+
+            class Full(io.StringIO):
+                def write(self, text):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+            logging.FileHandler._open = lambda self: Full()
     else:
         raise SystemExit(f"unknown mode {mode}")
     sys.argv = ["hookexp", *args]

@@ -347,3 +347,14 @@ def test_a_full_disk_under_tensorboard_is_the_same_paragraph_and_keeps_what_was_
     seen = [e.value for e in acc.Scalars("train/loss")]
     assert 5 < len(seen) <= len(logged) and seen == pytest.approx(logged[:len(seen)], rel=1e-6)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_full_disk_with_wandb_running_prints_only_hookexps_paragraph(tmp_path):
+    """Every log file refuses writes (cli.log, W&B's debug log) and metrics.jsonl hits the limit: no logging
+    tracebacks, nothing from W&B's console capture (its finished run's callback), only hookexp's lines."""
+    done = fault(tmp_path, "full_disk:60000", "trainer.max_steps=60", "stats.every=1", "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out and "Logging error" not in out and "UsageError" not in out, out[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"hookexp: error: cannot write {tmp_path / 'run'}")
+    assert all(line.startswith(("[", "hookexp: error: ")) for line in out.splitlines() if line.strip()), out[-3000:]
