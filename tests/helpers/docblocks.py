@@ -6,6 +6,8 @@ command of every page). A bash block may be preceded by one marker line that say
     <!-- test: skip: REASON -->   not run here (needs a GPU, a cluster, a network; or run by another test)
     <!-- test: as written -->     run without the shortening overrides (SHORT) appended
     <!-- test: fails -->          each command must exit non-zero, printing the next ```text block's lines
+
+A python block marked ``<!-- test: runs -->`` is a complete script: tests/test_docs.py runs it as pasted.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def shell_blocks(text: str) -> list[ShellBlock]:
         assert mark != "fails" or expected, "a 'fails' block must be followed by a ```text block of its output"
         out.append(ShellBlock(mark, commands(body), expected))
     return out
+
+
+def python_blocks(text: str) -> list[tuple[str, str]]:
+    """The python blocks of ``text`` as (marker, body): ``runs``, ``skip: REASON`` or ""."""
+    return [(mark, body) for mark, lang, body in BLOCK.findall(text) if lang == "python"]
 
 
 def strip_comment(command: str) -> str:
