@@ -8,6 +8,7 @@ or a network, or are run with their files by tests/test_readme.py; see tests/hel
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ import pytest
 import yaml
 from docblocks import (
     DOCS,
+    LEARN,
+    LEARNED,
     README,
     ROOT,
     ShellBlock,
@@ -103,7 +106,9 @@ def test_every_shell_command_of_the_page_runs(path: Path, tmp_path: Path):
     env = user_env(WANDB_MODE="disabled")
     for block, mine in owned()[path]:
         for command in mine:
-            done = run(command if block.mark == "as written" else shortened(command), tmp_path, env)
+            before = set(tmp_path.glob("**/summary.json"))
+            done = run(command if block.mark == "as written" else
+                       shortened(command, LEARN) if block.mark == "learns" else shortened(command), tmp_path, env)
             out = done.stdout + done.stderr
             if block.mark == "fails":
                 assert done.returncode != 0, (command, out[-3000:])
@@ -111,6 +116,11 @@ def test_every_shell_command_of_the_page_runs(path: Path, tmp_path: Path):
                     assert line.rstrip(". ") in out, (command, line, out[-3000:])
             else:
                 assert done.returncode == 0, (command, out[-3000:])
+            if block.mark == "learns":  # a recipe that trains to chance is a broken recipe, whatever its exit code
+                for summary in sorted(set(tmp_path.glob("**/summary.json")) - before):
+                    result = json.loads(summary.read_text())
+                    assert result["status"] == "finished" and result["val/acc"] > LEARNED, (command, summary,
+                                                                                            result["val/acc"])
 
 
 LIBRARY = [DOCS / "library.md", DOCS / "statistics.md"]  # the pages of Python examples for one's own loop

@@ -6,6 +6,7 @@ command of every page). A bash block may be preceded by one marker line that say
     <!-- test: skip: REASON -->   not run here (needs a GPU, a cluster, a network; or run by another test)
     <!-- test: as written -->     run without the shortening overrides (SHORT) appended
     <!-- test: fails -->          each command must exit non-zero, printing the next ```text block's lines
+    <!-- test: learns -->         a recipe: run long enough to learn (LEARN), each run it makes must beat chance
 
 A python block marked ``<!-- test: runs -->`` is a complete script: tests/test_docs.py runs it as pasted.
 """
@@ -27,6 +28,10 @@ BIN = Path(sys.executable).parent
 # Appended to every `python -m hookexp` / `hookexp` / `python -m hookexp.ablate` command of a page (later
 # overrides win): two optimizer steps show that a command runs without training for its full length.
 SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
+# A recipe's commands (marked ``learns``): 30 steps, where digits' val/acc passes 0.5 and a hook set that stops
+# learning stays at chance (0.1): every run such a command makes must reach LEARNED.
+LEARN = ["trainer.max_steps=30", "trainer.progress=false"]
+LEARNED = 0.3
 TRAINS = (["python", "-m", "hookexp"], ["python", "-m", "hookexp.ablate"], ["hookexp"])
 BLOCK = re.compile(r"(?:<!-- test: ([^\n]*?) -->\n)?```(\w+)\n(.*?)```", flags=re.S)
 
@@ -64,7 +69,7 @@ def shell_blocks(text: str) -> list[ShellBlock]:
         if lang != "bash":
             continue
         expected = found[i + 1][2] if mark == "fails" and i + 1 < len(found) and found[i + 1][1] == "text" else ""
-        assert mark in ("", "as written", "fails") or mark.startswith("skip: "), f"unknown marker {mark!r}"
+        assert mark in ("", "as written", "fails", "learns") or mark.startswith("skip: "), f"unknown marker {mark!r}"
         assert mark != "fails" or expected, "a 'fails' block must be followed by a ```text block of its output"
         out.append(ShellBlock(mark, commands(body), expected))
     return out
@@ -93,10 +98,10 @@ def key(command: str) -> tuple[str, ...]:
     return tuple(shlex.split(strip_comment(command)))
 
 
-def shortened(command: str) -> str:
+def shortened(command: str, overrides: list[str] = SHORT) -> str:
     words = list(key(command))
     if any(words[:len(t)] == t for t in TRAINS) and not {"--help", "--cfg"} & set(words):
-        return f"{strip_comment(command)} {shlex.join(SHORT)}"
+        return f"{strip_comment(command)} {shlex.join(overrides)}"
     return command
 
 
