@@ -356,6 +356,9 @@ def main() -> None:
     # logging's "--- Logging error ---" traceback (which W&B's console capture then fails on): the run's own error
     # says what went wrong, in one paragraph.
     logging.raiseExceptions = False
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's storage: "setup plugin alembic..." lines
+    if not sys.stderr.isatty():  # optuna's colorlog writes ANSI codes into files and pipes otherwise
+        os.environ.setdefault("NO_COLOR", "1")
     with unknown_keys_as_additions(), hydra_errors_as_ours():
         _hydra_main()
 

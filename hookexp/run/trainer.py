@@ -103,7 +103,8 @@ class Trainer:
         loop, total, parts = self.loop, self.parts.total_steps, self.parts
         per_epoch, eval_every = parts.loaders.batches_per_epoch(), self.cfg.trainer.eval_every
         eval_epochs = self.cfg.trainer.eval_every_epochs  # 0: never at an epoch's end (full batch: one step an epoch)
-        bar = self.bar = tqdm(total=total, initial=loop.step, disable=not self.cfg.trainer.progress, desc="train",
+        bar = self.bar = tqdm(total=total, initial=loop.step, disable=None if self.cfg.trainer.progress else True,
+                              desc="train",  # None: only when stderr is a terminal (no bar glued to log lines)
                               unit="step", leave=False)
         batches = None
         parts.model.train()
@@ -191,8 +192,10 @@ class Trainer:
         self.last_log_time, loop.last_log_step = now, loop.step
         spike = self.observers.observe(metrics, step).get("spike")
         if spike is not None:
-            log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps",
-                        spike.metric, step, spike.value, spike.median, self.spikes.steps)
+            log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps; "
+                        "its row: %s%s", spike.metric, step, spike.value, spike.median, self.spikes.steps,
+                        self.run_dir / "spikes.jsonl", "" if self.observers.named.get("forensics") is None else
+                        f", which layer went first: {self.run_dir / 'forensics' / f'step_{step}.png'}")
             self.sinks.spike(spike.row(self.period))
             self.draw_forensics()
         self.period = []

@@ -495,3 +495,11 @@ def test_private_hydra_is_used_only_through_hydra_private_and_pyproject_states_t
                 assert name not in text, (path, name)
     requirements = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"hydra-core{HYDRA_SUPPORTED}" in requirements
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(workdir):
+    """trainer.progress=true (the default) draws the bar on a terminal only: redirected, the log lines stand alone."""
+    done = run_cli(["trainer.progress=true", "trainer.max_steps=3", "logger=none", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\r" not in done.stderr and "train:" not in done.stderr and "step/s" not in done.stderr, done.stderr
+    assert all(line.startswith("[") for line in (done.stdout + done.stderr).splitlines() if line.strip())

@@ -494,3 +494,17 @@ def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_
     assert str(e.value).startswith(f"train(resume=...): cannot resume from {run / 'checkpoints' / 'last.pt'}: it is "
                                    "not a readable checkpoint")
     assert str(e.value).endswith("Or start again with train(cfg, run_dir, overwrite=True).")
+
+
+def test_the_spike_warning_names_spikes_jsonl_and_the_heatmap(tmp_path: Path, caplog):
+    at = 30  # as tests/telemetry/test_forensics.py: an output scaled x50 at one step
+    scale = f"+hooks.boom={{target: fc2, kind: forward, transform: scale, args: {{factor: 50.0}}, start_step: {at}, " \
+            f"end_step: {at + 1}}}"
+    with caplog.at_level("WARNING", logger="hookexp.train"):
+        train(config("model=mlp", "model.depth=4", "model.width=32", f"trainer.max_steps={at + 2}", "stats.every=1",
+                     "guard.spike.metric=train/loss", "guard.spike.window=8", "guard.spike.threshold=2",
+                     "guard.spike.checkpoint=false", scale), tmp_path)
+    (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spike of ")]
+    heatmap = tmp_path / "forensics" / f"step_{at}.png"
+    assert warning.endswith(f"; its row: {tmp_path / 'spikes.jsonl'}, which layer went first: {heatmap}"), warning
+    assert (tmp_path / "spikes.jsonl").exists() and heatmap.exists()
