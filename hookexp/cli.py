@@ -10,6 +10,7 @@ torch until a run starts. In a multirun a failing job writes ``failure.json`` an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -17,6 +18,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import traceback
 import typing
 from pathlib import Path
@@ -33,14 +35,24 @@ from hookexp.config import EXTRA_KEYS, TYPED_GROUPS, HookexpConfig
 from hookexp.errors import ConfigError, HookexpError, did_you_mean
 from hookexp.goals import objective, objective_value
 from hookexp.run import launchers, rundir
-from hookexp.run.hydra_api import HYDRA_PRIVATE, check_hook_files, hydra_private, unknown_keys_as_additions
+from hookexp.run.hydra_api import (
+    HYDRA_PRIVATE,
+    check_hook_files,
+    hook_files_defining,
+    hydra_errors_as_ours,
+    hydra_private,
+    unknown_keys_as_additions,
+)
 
 log = logging.getLogger("hookexp")
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, defined_in: typing.Callable[[str], list[str]] | None = None,
+                 sets: typing.Sequence[str] = ()) -> None:
     """Keys added with ``+key=value`` must be ones hookexp reads: at the top level and inside the typed groups
-    (``+trainer.epoch=3`` is a typo, not a new setting)."""
+    (``+trainer.epoch=3`` is a typo, not a new setting). ``defined_in(name)``: the hook files that define a spec
+    the run has not loaded (``hooks.clamp_conv.args.min=-1`` without ``hooks=clamp_conv``); ``sets``: the hook
+    files chosen (``hooks=[a,b]``)."""
     known = set(HookexpConfig.__dataclass_fields__) | set(EXTRA_KEYS)
     for key in cfg:
         if key not in known:
@@ -52,6 +64,12 @@ def check_config(cfg: DictConfig) -> None:
     specs = [str(name) for name in cfg.get("hooks") or {}]
     for name in specs:  # hooks.clmap_conv.args.min=1: a misspelled spec name, not a new spec
         if isinstance(cfg.hooks[name], DictConfig) and not {"target", "kind"} & set(cfg.hooks[name]):
+            if files := (defined_in(name) if defined_in else []):
+                chosen = [s for s in sets if s not in ("none", files[0])]
+                add = f"hooks=[{','.join([*chosen, files[0]])}]" if chosen else f"hooks={files[0]}"
+                raise ConfigError(f"no hook spec named {name!r} in this run: conf/hooks/{files[0]}.yaml defines it, "
+                                  f"and this run does not load that file: select it with {add}.",
+                                  key=f"hooks.{name}")
             raise ConfigError(f"no hook spec named {name!r}.{did_you_mean(name, set(specs) - {name})} The specs are: "
                               f"{', '.join(s for s in specs if s != name) or '(none)'}; a new spec needs a target and "
                               f"a kind (+hooks.{name}={{target: fc1, kind: forward, ...}}).", key=f"hooks.{name}")
@@ -123,21 +141,29 @@ def run(cfg: DictConfig) -> Any:
     when lower is better (:func:`hookexp.goals.objective_value`)."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    check_config(cfg)
     overrides = list(hc.overrides.task)
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.startswith("hooks=")), "none")  # a list: no choice
+    sets = chosen.strip("[]").replace(" ", "").split(",")
+    check_config(cfg, lambda name: hook_files_defining(name, hc.job.config_name, [*hc.overrides.hydra, *overrides]),
+                 sets)
     check_hook_files(hc.job.config_name, [*hc.overrides.hydra, *overrides])  # hydra.searchpath adds config dirs
     apply_ablation(cfg)
     _sweep_defaults(cfg)
-    from hookexp.run.build import build_task, logged_metrics  # torch is imported only once the config is checked
+    # torch is imported only once the config is checked
+    from hookexp.run.build import build_task, check_targets, logged_metrics
     from hookexp.run.loop import dry_run, run_job
 
     # the sweep objective: a name the task does not log is refused before anything trains
     metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
 
-    log.info("run directory: %s", run_dir)
+    check_targets(cfg, overrides)  # the model's and optimizer's keys, before the data is loaded
     if cfg.get("dry_run"):
-        return dry_run(cfg, run_dir, overrides)
+        dry_run(cfg, run_dir, overrides)
+        log.info("run directory: %s", run_dir)
+        return None
     summary = run_job(cfg, run_dir, overrides)
+    if summary.get("nothing_to_do"):  # resumed at its finished end: said so, nothing written
+        return objective_value(metric, summary)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
         rundir.remove_unstarted(run_dir)  # torchrun: this rank's Hydra named its own directory; the run is rank 0's
@@ -190,19 +216,57 @@ def resume_command(run_dir: Path) -> str:
     return shlex.join([*head, *tail])
 
 
+class StoppedDuringStartUp(BaseException):
+    """SIGTERM/SIGINT before the trainer took the signals over (start-up: composing, building, loading data)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_start_up(signum: int, frame: Any) -> None:
+    raise StoppedDuringStartUp(signum)
+
+
+@contextlib.contextmanager
+def _start_up_signals() -> typing.Iterator[None]:
+    """SIGTERM/SIGINT during start-up end the job with one line and 128 + the signal (a job scheduler's preemption,
+    Ctrl-C), not with Python's default handler (rc -15, no message) or a KeyboardInterrupt traceback. The trainer
+    installs its own handlers (checkpoint, then stop) for the steps, and restores these after them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _stop_start_up) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is _stop_start_up:  # a finished run set SIG_IGN: keep that
+                signal.signal(sig, handler)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://hookexp.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
     hc = HydraConfig.get()
     run_dir = Path(os.path.abspath(hc.runtime.output_dir))
     try:
-        return run(cfg)
+        with _start_up_signals():
+            return run(cfg)
+    except StoppedDuringStartUp as e:
+        if RunDirPolicy.created.get(str(run_dir)):
+            logging.shutdown()
+            rundir.remove_unstarted(run_dir, RunDirPolicy.parents.get(str(run_dir)))
+        print(f"\nhookexp: stopped by signal {e.signum} during start-up, before the first step: nothing was trained. "
+              f"Run the same command again (with resume=true hydra.run.dir={run_dir} it starts from step 0 if there "
+              "is no checkpoint yet).", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except Exception as e:
         if hc.mode == RunMode.MULTIRUN:
             _record_failure(run_dir, list(hc.overrides.task), e)
             return float("nan")
         if RunDirPolicy.created.get(str(run_dir)):
             logging.shutdown()
-            rundir.remove_unstarted(run_dir)
+            rundir.remove_unstarted(run_dir, RunDirPolicy.parents.get(str(run_dir)))
         if isinstance(e, HookexpError):
             print(f"\nhookexp: error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -223,6 +287,7 @@ class RunDirPolicy(Callback):
     """Before Hydra writes anything into the run (or sweep) directory: refuse one that holds results."""
 
     created: ClassVar[dict[str, bool]] = {}  # run dir -> whether this launch creates it
+    parents: ClassVar[dict[str, list[Path]]] = {}  # run dir -> the folders above it this launch creates
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         launchers.check_launcher(config.hydra.get("launcher"), multirun=False)
@@ -230,6 +295,7 @@ class RunDirPolicy(Callback):
             run_dir = Path(os.path.abspath(str(config.hydra.run.dir)))
         except Exception:  # an interpolation only the job can resolve: the run layer checks it then
             return
+        self.parents[str(run_dir)] = rundir.new_parents(run_dir)
         _exit_on_error(lambda: self.created.__setitem__(
             str(run_dir), rundir.claim(run_dir, config.get("resume"), config.get("overwrite"))))
 
@@ -306,7 +372,14 @@ def main() -> None:
     sys.argv = [sys.argv[0], *others, *overrides]
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun only rank 0 writes: Hydra's files too
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    with unknown_keys_as_additions():
+    # A log file that cannot be written (a full disk: cli.log, W&B's debug log) drops the record instead of printing
+    # logging's "--- Logging error ---" traceback (which W&B's console capture then fails on): the run's own error
+    # says what went wrong, in one paragraph.
+    logging.raiseExceptions = False
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's storage: "setup plugin alembic..." lines
+    if not sys.stderr.isatty():  # optuna's colorlog writes ANSI codes into files and pipes otherwise
+        os.environ.setdefault("NO_COLOR", "1")
+    with unknown_keys_as_additions(), hydra_errors_as_ours():
         _hydra_main()
 
 

@@ -8,6 +8,7 @@ or a network, or are run with their files by tests/test_readme.py; see tests/hel
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -16,7 +17,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from docblocks import DOCS, README, ROOT, ShellBlock, key, run, section, shell_blocks, shortened, user_env
+from docblocks import (
+    DOCS,
+    LEARN,
+    LEARNED,
+    README,
+    ROOT,
+    ShellBlock,
+    key,
+    python_blocks,
+    run,
+    section,
+    shell_blocks,
+    shortened,
+    user_env,
+)
 
 MKDOCS = ROOT / "mkdocs.yml"
 
@@ -91,7 +106,9 @@ def test_every_shell_command_of_the_page_runs(path: Path, tmp_path: Path):
     env = user_env(WANDB_MODE="disabled")
     for block, mine in owned()[path]:
         for command in mine:
-            done = run(command if block.mark == "as written" else shortened(command), tmp_path, env)
+            before = set(tmp_path.glob("**/summary.json"))
+            done = run(command if block.mark == "as written" else
+                       shortened(command, LEARN) if block.mark == "learns" else shortened(command), tmp_path, env)
             out = done.stdout + done.stderr
             if block.mark == "fails":
                 assert done.returncode != 0, (command, out[-3000:])
@@ -99,3 +116,32 @@ def test_every_shell_command_of_the_page_runs(path: Path, tmp_path: Path):
                     assert line.rstrip(". ") in out, (command, line, out[-3000:])
             else:
                 assert done.returncode == 0, (command, out[-3000:])
+            if block.mark == "learns":  # a recipe that trains to chance is a broken recipe, whatever its exit code
+                for summary in sorted(set(tmp_path.glob("**/summary.json")) - before):
+                    result = json.loads(summary.read_text())
+                    assert result["status"] == "finished" and result["val/acc"] > LEARNED, (command, summary,
+                                                                                            result["val/acc"])
+
+
+LIBRARY = [DOCS / "library.md", DOCS / "statistics.md"]  # the pages of Python examples for one's own loop
+
+
+def test_the_library_examples_are_complete_scripts_or_say_why_not():
+    """Each python block of the library pages is run as pasted (``runs``) or names why it cannot be (``skip:``),
+    so that no example leans on names defined elsewhere (``model``, ``opt``, ``loader``) unnoticed."""
+    for path in LIBRARY:
+        marks = [mark for mark, _ in python_blocks(path.read_text())]
+        assert marks and all(m == "runs" or m.startswith("skip: ") for m in marks), (path.name, marks)
+        assert "runs" in marks, path.name
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if any(m == "runs" for m, _ in python_blocks(p.read_text()))],
+                         ids=lambda p: p.name)
+def test_every_python_example_marked_runs_runs_as_pasted(path: Path, tmp_path: Path):
+    for i, (mark, body) in enumerate(python_blocks(path.read_text())):
+        if mark != "runs":
+            continue
+        (tmp_path / f"example{i}.py").write_text(body)
+        done = run(f"python example{i}.py", tmp_path, user_env(WANDB_MODE="disabled"))
+        assert done.returncode == 0, (path.name, i, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hookexp ablate: error: {e}", file=sys.stderr)
         return status or 2
     print(markdown)
+    print(f"hookexp.ablate: wrote {sweep_dir / 'report.md'} and report.png (the jobs are in {sweep_dir})",
+          file=sys.stderr)
     return status
 
 

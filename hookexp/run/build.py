@@ -26,7 +26,15 @@ from hookexp.config import TrainerConfig, typed
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.goals import Reach
 from hookexp.run.distributed import Dist, shard
-from hookexp.run.instantiate import drop_inherited, fill_auto, instantiate, parameters_of, target_of, unpartial
+from hookexp.run.instantiate import (
+    check_arguments,
+    drop_inherited,
+    fill_auto,
+    instantiate,
+    parameters_of,
+    target_of,
+    unpartial,
+)
 from hookexp.run.loaders import Loaders, make_loaders
 from hookexp.run.precision import DTYPES
 from hookexp.workloads.tasks import Classification, Task
@@ -138,6 +146,17 @@ def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
     return task
 
 
+def check_targets(cfg: DictConfig, overrides: list[str] | None = None) -> None:
+    """The model's and the optimizer's keys against their targets' signatures (unknown names, text for numbers),
+    before the data is loaded and anything is built: a typo fails in a second, not after the data."""
+    model = drop_inherited(cfg.model, "model", overrides, only_written=True)
+    check_arguments(target_of(model, "model"), {str(k): v for k, v in model.items() if not str(k).startswith("_")
+                                                and v != "auto"}, "model")
+    optim = drop_inherited(cfg.optim, "optim", overrides)
+    check_arguments(target_of(optim, "optim"), {str(k): v for k, v in optim.items() if not str(k).startswith("_")},
+                    "optim", ["params"])
+
+
 def logged_metrics(task: Task) -> list[str]:
     """The metrics the task logs for every rank alike: ``val/<name>`` and ``train/<name>``."""
     names = task.finish(dict.fromkeys(task.metric_names, 1.0))
@@ -197,7 +216,7 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     task = build_task(cfg, overrides)
     goal = stop_goal(cfg, task)
     loaders = make_loaders(cfg.data, cfg.seed, ranks, device, overrides)
-    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides), loaders.info, "model",
+    model_cfg = fill_auto(drop_inherited(cfg.model, "model", overrides, only_written=True), loaders.info, "model",
                           derived_from_examples(loaders, task))
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):

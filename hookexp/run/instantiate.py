@@ -171,10 +171,13 @@ def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str,
     return OmegaConf.create(values)
 
 
-def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) -> DictConfig:
+def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None, *, only_written: bool = False
+                   ) -> DictConfig:
     """When the command line replaced a node's ``_target_`` (``model._target_=mynet.Net``,
     ``data.dataset._target_=mynet.make``), keys the new target does not take that came from the group's config
-    file are dropped (logged); keys the user set stay and are checked. Without a command line, nothing is dropped."""
+    file are dropped (logged); keys the user set stay and are checked. ``only_written`` (the model): every key
+    from the config file is dropped, taken or not, but ``auto`` ones (filled from the data): a user's model never
+    gets another model's value (small_cnn's ``hidden: 64``). Without a command line, nothing is dropped."""
     if overrides is None:
         return node
     set_here = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
@@ -182,14 +185,21 @@ def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None) 
         return node
     fn = unpartial(target_of(node, key))
     params, any_kw = parameters_of(fn)
-    if any_kw:
+    if any_kw and not only_written:
         return node
-    dropped = [k for k in node if not str(k).startswith("_") and k not in params and f"{key}.{k}" not in set_here]
-    if not dropped:
+    inherited = [k for k in node if not str(k).startswith("_") and f"{key}.{k}" not in set_here]
+    untaken = [k for k in inherited if k not in params and not any_kw]
+    taken = [k for k in inherited if k not in untaken and only_written and node._get_node(k)._value() != "auto"]
+    if untaken:
+        log.info("%s: %s does not take %s (from the default %s config): not passed", key, node.get("_target_"),
+                 ", ".join(map(str, untaken)), key)
+    if taken:
+        log.info("%s: %s gets only the keys set for it: %s of the default %s config not passed (set one with "
+                 "++%s.%s=...)", key, node.get("_target_"), ", ".join(f"{k}={node._get_node(k)._value()}"
+                                                                    for k in taken), key, key, taken[0])
+    if not untaken and not taken:
         return node
-    log.info("%s: %s does not take %s (from the default %s config): not passed", key, node.get("_target_"),
-             ", ".join(map(str, dropped)), key)
     out = OmegaConf.create(OmegaConf.to_container(node, resolve=False))
-    for k in dropped:
+    for k in [*untaken, *taken]:
         del out[k]
     return out

@@ -8,6 +8,8 @@ restoring the loop state is :mod:`hookexp.run.checkpoint`; what gets measured is
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,12 +50,30 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, 
             require_writable(run_dir)
             ckpt.clean()
         parts = build(cfg, ranks, device, overrides)  # FSDP shards here
+        if resumed is not None and (done := finished_at(run_dir, int(resumed["loop"]["step"]), parts.total_steps)):
+            return done
         preflight(parts)
         ckpt.track(model=parts.model, optimizer=parts.optimizer)
         if resumed is not None:  # the weights before the hooks attach (see Checkpointer.restore_weights)
             ckpt.restore_weights(resumed)
         trainer = Trainer(cfg, parts, ckpt, resumed, started)
+    if ranks.is_main:  # now certain to exist and to stay: a failure before here removes it
+        logging.getLogger("hookexp").info("run directory: %s", run_dir)
     return trainer.fit()
+
+
+def finished_at(run_dir: Path, step: int, total: int) -> dict[str, Any] | None:
+    """A resumed run whose checkpoint is its finished end, asked for no more steps: its summary, untouched (and
+    "nothing to do" logged); None when there is something to do."""
+    path = run_dir / "summary.json"
+    if step < total or not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    if summary.get("status") != "finished" or summary.get("trainer/steps") != step:
+        return None
+    logging.getLogger("hookexp").info("nothing to do: the run in %s finished at step %d; raise trainer.max_steps "
+                                      "to continue", run_dir, step)
+    return {**summary, "nothing_to_do": True}
 
 
 @torch.no_grad()

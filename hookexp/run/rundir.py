@@ -9,6 +9,7 @@ No torch here: the CLI imports this before composing, and ``--help`` must stay f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -145,7 +146,46 @@ def resume_overrides(overrides: list[str]) -> list[str]:
     return [*kept, *extra, "resume=true", f"hydra.run.dir={run_dir}"]
 
 
-def remove_unstarted(run_dir: Path) -> None:
-    """After a launch failed before training: remove the directory it created (nothing of a run is in it)."""
+def new_parents(run_dir: Path) -> list[Path]:
+    """The folders above ``run_dir`` that do not exist yet (a launch creates them: ``outputs/<date>``)."""
+    return [p for p in run_dir.parents if not p.exists()]
+
+
+def remove_unstarted(run_dir: Path, parents: list[Path] | None = None) -> None:
+    """After a launch failed before training: remove the directory it created (nothing of a run is in it), and of
+    ``parents`` (:func:`new_parents`, before the launch) those left empty (``outputs/<date>/``)."""
     if run_dir.is_dir() and not (run_dir / "manifest.json").exists() and not (run_dir / "dry_run.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in parents or []:  # nearest first
+        if run_dir.exists() or not parent.is_dir() or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+def set_aside(run_dir: Path, launch: Launch = CLI) -> Path | None:
+    """``resume=true`` where ``run_dir`` holds no checkpoint (a requeued command whose first attempt never got to
+    one): the files of that attempt are moved into ``run_dir/attempt-N/`` (returned; None when there were none), and
+    the run starts from step 0. A run that finished without a checkpoint is refused instead, naming
+    ``trainer.checkpoint_every``: running it again is not resuming it."""
+    summary = run_dir / "summary.json"
+    try:
+        done = json.loads(summary.read_text()) if summary.is_file() else {}
+    except (OSError, ValueError):
+        done = {}
+    if done.get("status") == "finished":
+        raise RunDirError(f"{run_dir} holds a run that finished at step {done.get('trainer/steps', '?')} without a "
+                          "checkpoint to continue from (with trainer.checkpoint_every=0 a run checkpoints only when "
+                          "a signal stops it). Start a new run with trainer.checkpoint_every=N (its last step is "
+                          f"checkpointed too, so it can be extended later), or run this one again with "
+                          f"{launch.overwrite}.", key=launch.resume_key)
+    found = [name for name in results_in(run_dir) if name != "checkpoints"]
+    if not found:
+        return None
+    n = 1
+    while (run_dir / f"attempt-{n}").exists():
+        n += 1
+    attempt = run_dir / f"attempt-{n}"
+    attempt.mkdir()
+    for name in found:
+        os.replace(run_dir / name, attempt / name)
+    return attempt

@@ -108,7 +108,8 @@ class Trainer:
         self.last_log_time = time.perf_counter()
         self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
         self.stopped_by = parts.limit  # what ended the run, for the summary and the final line
-        self.bar = tqdm(total=parts.total_steps, initial=self.loop.step, disable=not cfg.trainer.progress,
+        # disable=None: a bar only when stderr is a terminal (never glued to redirected log lines)
+        self.bar = tqdm(total=parts.total_steps, initial=self.loop.step, disable=None if cfg.trainer.progress else True,
                         desc="train", unit="step", leave=False)
 
     # -- the run ------------------------------------------------------------------------------------------
@@ -216,8 +217,10 @@ class Trainer:
         self.last_log_time, loop.last_log_step = now, loop.step
         spike = self.observers.observe(metrics, step).get("spike")
         if spike is not None:
-            log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps",
-                        spike.metric, spike.step, spike.value, spike.median, self.recorder.steps)
+            log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps; "
+                        "its row: %s%s", spike.metric, spike.step, spike.value, spike.median, self.recorder.steps,
+                        self.run_dir / "spikes.jsonl", "" if self.observers.named.get("forensics") is None else
+                        f", which layer went first: {self.run_dir / 'forensics' / f'step_{spike.step}.png'}")
             self.sinks.spike(spike.row(self.period))
             self.draw_forensics()
         self.period = []

@@ -6,6 +6,9 @@ command of every page). A bash block may be preceded by one marker line that say
     <!-- test: skip: REASON -->   not run here (needs a GPU, a cluster, a network; or run by another test)
     <!-- test: as written -->     run without the shortening overrides (SHORT) appended
     <!-- test: fails -->          each command must exit non-zero, printing the next ```text block's lines
+    <!-- test: learns -->         a recipe: run long enough to learn (LEARN), each run it makes must beat chance
+
+A python block marked ``<!-- test: runs -->`` is a complete script: tests/test_docs.py runs it as pasted.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ BIN = Path(sys.executable).parent
 SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
 TRAINS = (["python", "-m", "hookexp"], ["hookexp"])
 NO_TRAINING = ("report", "replay")  # subcommands that train nothing: run as written
+# A recipe's commands (marked ``learns``): 30 steps, where digits' val/acc passes 0.5 and a hook set that stops
+# learning stays at chance (0.1): every run such a command makes must reach LEARNED.
+LEARN = ["trainer.max_steps=30", "trainer.progress=false"]
+LEARNED = 0.3
 BLOCK = re.compile(r"(?:<!-- test: ([^\n]*?) -->\n)?```(\w+)\n(.*?)```", flags=re.S)
 
 
@@ -63,10 +70,15 @@ def shell_blocks(text: str) -> list[ShellBlock]:
         if lang != "bash":
             continue
         expected = found[i + 1][2] if mark == "fails" and i + 1 < len(found) and found[i + 1][1] == "text" else ""
-        assert mark in ("", "as written", "fails") or mark.startswith("skip: "), f"unknown marker {mark!r}"
+        assert mark in ("", "as written", "fails", "learns") or mark.startswith("skip: "), f"unknown marker {mark!r}"
         assert mark != "fails" or expected, "a 'fails' block must be followed by a ```text block of its output"
         out.append(ShellBlock(mark, commands(body), expected))
     return out
+
+
+def python_blocks(text: str) -> list[tuple[str, str]]:
+    """The python blocks of ``text`` as (marker, body): ``runs``, ``skip: REASON`` or ""."""
+    return [(mark, body) for mark, lang, body in BLOCK.findall(text) if lang == "python"]
 
 
 def strip_comment(command: str) -> str:
@@ -87,12 +99,12 @@ def key(command: str) -> tuple[str, ...]:
     return tuple(shlex.split(strip_comment(command)))
 
 
-def shortened(command: str) -> str:
+def shortened(command: str, overrides: list[str] = SHORT) -> str:
     words = list(key(command))
     head = next((len(t) for t in TRAINS if words[:len(t)] == t), None)
     subcommand = words[head] if head is not None and head < len(words) else ""
     if head is not None and subcommand not in NO_TRAINING and not {"--help", "--cfg"} & set(words):
-        return f"{strip_comment(command)} {shlex.join(SHORT)}"
+        return f"{strip_comment(command)} {shlex.join(overrides)}"
     return command
 
 

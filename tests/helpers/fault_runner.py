@@ -10,7 +10,10 @@ Modes:
 - ``enospc_in_checkpoint:N``: the N-th checkpoint file fills the disk after 100 bytes (OSError ENOSPC inside
   torch.save, which torch's zip writer turns into a RuntimeError).
 - ``term_after_finish``: SIGTERM to itself as it logs that the run finished.
+- ``term_in_startup``: SIGTERM to itself while the run is built (before the first step).
 - ``fsize:BYTES``: no file may grow beyond BYTES (RLIMIT_FSIZE; writes past it fail with EFBIG): a full disk.
+- ``full_disk:BYTES``: ``fsize:BYTES``, and every log file (``logging.FileHandler``: cli.log, W&B's debug log)
+  refuses writes with ENOSPC from the start, as on a disk that is full.
 """
 
 from __future__ import annotations
@@ -112,9 +115,29 @@ def main() -> None:
                 return True
 
         logging.getLogger("hookexp").addFilter(Term())
-    elif name == "fsize":
+    elif name == "term_in_startup":
+        from hookexp.run import loop
+
+        real_build = loop.build
+
+        def build(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real_build(*a, **k)
+
+        loop.build = build
+    elif name in ("fsize", "full_disk"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.RLIM_INFINITY))
+        if name == "full_disk":
+            import errno
+            import io
+            import logging
+
+            class Full(io.StringIO):
+                def write(self, text):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+            logging.FileHandler._open = lambda self: Full()
     else:
         raise SystemExit(f"unknown mode {mode}")
     sys.argv = ["hookexp", *args]

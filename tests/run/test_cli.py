@@ -74,8 +74,20 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["hooks=does_not_exist"], ["Could not find 'hooks/does_not_exist'", "Available options in 'hooks'",
-                                    "clamp_conv"]),
+        # Hydra's composition errors, as hookexp's paragraph: an unknown option, a value of the wrong type
+        (["hooks=clamp_cnv"], ["hookexp: error: hooks: no option 'clamp_cnv' (hooks/clamp_cnv.yaml is in no config "
+                               "folder). Did you mean 'clamp_conv'? The options: ablate_attn_eval, clamp_conv,"]),
+        (["hooks=[clamp_conv,zero_fc_bais]"], ["hookexp: error: hooks: no option 'zero_fc_bais' (hooks/zero_fc_bais"
+                                               ".yaml is in no config folder). Did you mean 'zero_fc_bias'?"]),
+        (["trainer.epochs=abc"], ["hookexp: error: trainer.epochs: 'abc' is not a whole number (int). trainer.epochs "
+                                  "takes a whole number (int), e.g. trainer.epochs=3."]),
+        (["trainer.progress=ture"], ["hookexp: error: trainer.progress: 'ture' is not true or false. Did you mean "
+                                     "'true'? trainer.progress takes true or false, e.g. trainer.progress=true."]),
+        # tuning a spec whose hook file is not selected names the file that defines it
+        (["hooks.clamp_conv.args.min=-1"], ["hookexp: error: hooks.clamp_conv: no hook spec named 'clamp_conv' in "
+                                            "this run: conf/hooks/clamp_conv.yaml defines it, and this run does not "
+                                            "load that file: select it with hooks=clamp_conv."]),
+        (["hooks=zero_fc_bias", "hooks.clamp_conv.args.min=-1"], ["select it with hooks=[zero_fc_bias,clamp_conv]."]),
         (["hooks=clamp_conv", "hooks.clamp_conv.target=convv"],
          ["hookexp: error: hooks.clamp_conv.target: target 'convv' matches no module of SmallCNN",
           "Did you mean 'conv2' or 'conv1'?", "Its modules are: conv1, relu1, conv2"]),
@@ -100,12 +112,36 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
 )
 def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directory(args, expected, workdir):
     done = run_cli([*args, "hydra.run.dir=run"], workdir)
-    assert done.returncode != 0
     text = done.stderr + done.stdout
+    assert done.returncode == 2, text[-2000:]
     for piece in expected:
         assert piece in text, text[-2000:]
-    assert "Traceback" not in text and "To append to your config" not in text
+    assert "Traceback" not in text and "To append to your config" not in text and "HYDRA_FULL_ERROR" not in text
     assert not (workdir / "run").exists()
+
+
+def test_a_start_that_fails_while_building_prints_no_run_directory_and_leaves_no_date_folder(workdir):
+    """A model key the target does not take is refused before the data loads; the run directory is printed only
+    once it is sure to stay, and the timestamped folder and its date folder are both removed."""
+    done = run_cli(["model.hiden=3", "logger=none"], workdir)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("hookexp: error: model.hiden: SmallCNN has no parameter")
+    assert "run directory" not in done.stdout + done.stderr
+    assert not (workdir / "outputs").exists()
+    (workdir / "mine").mkdir()
+    done = run_cli(["task=causal_lm", "logger=none", "hydra.run.dir=mine/a/b"], workdir)  # fails after the data
+    assert done.returncode == 2 and "run directory" not in done.stdout + done.stderr
+    assert list((workdir / "mine").iterdir()) == []  # the folders it made are gone, the user's own stays
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["hooks=clamp_cnv,none"], "hookexp: error: hooks: no option 'clamp_cnv' "),
+    (["trainer.epochs=1,abc"], "hookexp: error: trainer.epochs: 'abc' is not a whole number (int)."),
+])
+def test_a_multirun_gets_hookexps_paragraph_for_hydras_composition_errors(args, expected, workdir):
+    done = run_cli(["-m", *args, "trainer.max_steps=1", "logger=none", "hydra.sweep.dir=sweep"], workdir)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert expected in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_an_explicit_max_steps_lifts_the_default_epochs_and_the_final_line_names_the_limit(workdir):
@@ -460,3 +496,11 @@ def test_private_hydra_is_used_only_through_hydra_private_and_pyproject_states_t
                 assert name not in text, (path, name)
     requirements = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"hydra-core{HYDRA_SUPPORTED}" in requirements
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(workdir):
+    """trainer.progress=true (the default) draws the bar on a terminal only: redirected, the log lines stand alone."""
+    done = run_cli(["trainer.progress=true", "trainer.max_steps=3", "logger=none", "hydra.run.dir=run"], workdir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\r" not in done.stderr and "train:" not in done.stderr and "step/s" not in done.stderr, done.stderr
+    assert all(line.startswith("[") for line in (done.stdout + done.stderr).splitlines() if line.strip())

@@ -270,3 +270,24 @@ def test_every_package_and_config_folder_ships_in_the_wheel():
     conf = {".".join(("hookexp", "conf", *p.parent.relative_to(root / "conf").parts))
             for p in (root / "conf").rglob("*.yaml")}
     assert code | conf <= listed, sorted((code | conf) - listed)
+
+
+def test_a_users_model_gets_no_key_of_the_default_model_config(tmp_path, monkeypatch, caplog):
+    """model._target_=tiny.Tiny over small_cnn: Tiny takes `hidden` too, but small_cnn's hidden: 64 is not the
+    user's value. Only the keys set on the command line (and `auto` ones, from the data) are passed."""
+    (tmp_path / "tiny.py").write_text(
+        "import torch\n\n"
+        "class Tiny(torch.nn.Module):\n"
+        "    def __init__(self, hidden=16, num_classes=10, width=3):\n"
+        "        super().__init__()\n        self.hidden, self.width = hidden, width\n"
+        "        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, hidden), torch.nn.ReLU(),\n"
+        "                                       torch.nn.Linear(hidden, num_classes))\n\n"
+        "    def forward(self, x):\n        return self.net(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = ["model._target_=tiny.Tiny", "model.width=5"]
+    with caplog.at_level("INFO", logger="hookexp.build"):
+        parts = build(compose("config", overrides=overrides), Dist(), CPU, overrides)
+    assert parts.model.hidden == 16 and parts.model.width == 5
+    assert parts.model_config == {"_target_": "tiny.Tiny", "num_classes": 10, "width": 5}
+    assert ("model: tiny.Tiny gets only the keys set for it: hidden=64 of the default model config not passed "
+            "(set one with ++model.hidden=...)") in caplog.text

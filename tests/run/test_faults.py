@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, config, helpers_path, read_jsonl, wandb_summary
+from conftest import HELPERS, config, helpers_path, read_jsonl, run_cli, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.loop import run_job as train
@@ -262,3 +262,99 @@ def test_resuming_with_another_config_lists_the_differences(tmp_path):
                    tmp_path / "c")
     assert longer["trainer/steps"] == 6
     assert [r["trainer/step"] for r in read_jsonl(tmp_path / "c" / "metrics.jsonl") if "train/loss" in r][:1] == [0]
+
+
+def test_a_directory_where_the_checkpoint_goes_is_named_with_the_fix(tmp_path):
+    """checkpoints/last.pt made a directory (by hand, or a tool): the error says so and how to fix it."""
+    (tmp_path / "checkpoints" / "last.pt").mkdir(parents=True)
+    with pytest.raises(RunFilesError) as e:
+        train(config("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    assert str(e.value) == (f"cannot write {path}: it is a directory, and hookexp writes a file there. Everything "
+                            f"written before is intact. Move the directory away or delete it (rm -r {path}), then "
+                            f"continue with resume=true hydra.run.dir={tmp_path} (from its last checkpoint).")
+    assert path.is_dir() and not (tmp_path / "metrics.jsonl").exists()  # refused before training
+
+
+def test_sigterm_during_start_up_is_one_line_and_the_requeued_command_starts_from_step_0(tmp_path):
+    """A preemptible cluster's SIGTERM before the first step: rc 143 and one line (not rc -15 and nothing); the
+    requeued command, resume=true, finds no checkpoint and starts from step 0, saying so."""
+    args = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "logger=none", "hydra.run.dir=run"]
+    done = fault(tmp_path, "term_in_startup", *args)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hookexp: stopped by signal 15 during start-up, before the first step: nothing was trained. Run the same "
+        f"command again (with resume=true hydra.run.dir={tmp_path / 'run'} it starts from step 0 if there is no "
+        "checkpoint yet).")
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+    again = run_cli([*args, "resume=true"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resume: {tmp_path / 'run'} holds no checkpoint: starting from step 0" in again.stdout + again.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["trainer/steps"] == 4
+
+
+def test_resume_where_an_attempt_never_checkpointed_keeps_its_files_aside_and_starts_from_step_0(tmp_path):
+    args = ["trainer.max_steps=12", "stats.every=1"]  # no trainer.checkpoint_every: no checkpoint
+    killed = fault(tmp_path, "kill_in_metrics:1", *args, "logger=none", "hydra.run.dir=run")  # the first flush
+    assert killed.returncode == -9 and not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+    before = {name: (tmp_path / "run" / name).read_bytes() for name in ("metrics.jsonl", "manifest.json")}
+    resumed = train(config(*args, "resume=true"), tmp_path / "run")
+    assert resumed["status"] == "finished" and resumed["trainer/steps"] == 12
+    assert {name: (tmp_path / "run" / "attempt-1" / name).read_bytes() for name in before} == before
+    train(config(*args), tmp_path / "straight")
+    same_results(tmp_path / "straight", tmp_path / "run")
+
+
+def test_resume_of_a_finished_run_names_checkpoint_every_or_says_nothing_to_do(tmp_path, caplog):
+    from hookexp.errors import RunDirError
+
+    train(config("trainer.max_steps=3"), tmp_path / "plain")  # no checkpoint_every: no checkpoint
+    with pytest.raises(RunDirError) as e:
+        train(config("trainer.max_steps=6", "resume=true"), tmp_path / "plain")
+    assert str(e.value) == (
+        f"resume: {tmp_path / 'plain'} holds a run that finished at step 3 without a checkpoint to continue from "
+        "(with trainer.checkpoint_every=0 a run checkpoints only when a signal stops it). Start a new run with "
+        "trainer.checkpoint_every=N (its last step is checkpointed too, so it can be extended later), or run this "
+        "one again with +overwrite=true.")
+    train(config("trainer.max_steps=3", "trainer.checkpoint_every=2"), tmp_path / "kept")
+    files = {p: p.read_bytes() for p in (tmp_path / "kept").rglob("*") if p.is_file()}
+    with caplog.at_level("INFO", logger="hookexp"):
+        again = train(config("trainer.max_steps=3", "trainer.checkpoint_every=2", "resume=true"), tmp_path / "kept")
+    assert again["status"] == "finished" and again["trainer/steps"] == 3
+    assert (f"nothing to do: the run in {tmp_path / 'kept'} finished at step 3; raise trainer.max_steps to "
+            "continue") in caplog.text
+    assert {p: p.read_bytes() for p in (tmp_path / "kept").rglob("*") if p.is_file()} == files
+
+
+def test_a_full_disk_under_tensorboard_is_the_same_paragraph_and_keeps_what_was_written(tmp_path):
+    """TensorBoard's writer thread hits the limit first (its event file grows faster than metrics.jsonl): one
+    paragraph naming the event file, rc 2, no thread traceback; the events and lines before it read back."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    done = fault(tmp_path, "fsize:60000", "trainer.max_steps=60", "stats.every=1", "logger=tensorboard",
+                 "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"hookexp: error: cannot write {events}: the file size limit is reached. Everything written before is intact")
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    assert metrics.endswith(b"\n") and all(json.loads(line) for line in metrics.splitlines())
+    acc = ea.EventAccumulator(str(events.parent))
+    acc.Reload()
+    logged = [r["train/loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    seen = [e.value for e in acc.Scalars("train/loss")]
+    assert 5 < len(seen) <= len(logged) and seen == pytest.approx(logged[:len(seen)], rel=1e-6)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_full_disk_with_wandb_running_prints_only_hookexps_paragraph(tmp_path):
+    """Every log file refuses writes (cli.log, W&B's debug log) and metrics.jsonl hits the limit: no logging
+    tracebacks, nothing from W&B's console capture (its finished run's callback), only hookexp's lines."""
+    done = fault(tmp_path, "full_disk:60000", "trainer.max_steps=60", "stats.every=1", "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out and "Logging error" not in out and "UsageError" not in out, out[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"hookexp: error: cannot write {tmp_path / 'run'}")
+    assert all(line.startswith(("[", "hookexp: error: ")) for line in out.splitlines() if line.strip()), out[-3000:]

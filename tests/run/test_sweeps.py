@@ -99,6 +99,7 @@ def test_ablate_runs_leave_one_out_and_reports(workdir):
                                               "+ablate=zero_fc_bias"]
     assert all(len(g.jobs) == 2 for g in groups)
     assert "| +ablate=none | 2 |" in done.stdout
+    assert f"hookexp.ablate: wrote {Path('abl') / 'report.md'} and report.png (the jobs are in abl)" in done.stderr
     summary = json.loads((workdir / "abl" / "0" / "summary.json").read_text())
     assert summary["hook/clamp_conv/calls"] > 0
     off = next(g for g in groups if g.name == "+ablate=clamp_conv").jobs[0]
@@ -121,6 +122,7 @@ def test_optuna_sweeps_the_optimized_metric_in_its_direction(workdir, metric, be
     done = run_cli(["-m", "sweep=optuna_lr", "hydra.sweeper.n_trials=3", "trainer.max_steps=6", "logger=none",
                     *chosen, "hydra.sweep.dir=opt"], workdir)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "setup plugin alembic" not in done.stderr and "\x1b[" not in done.stderr  # no storage chatter, no ANSI
     results = yaml.safe_load((workdir / "opt" / "optimization_results.yaml").read_text())
     assert set(results["best_params"]) == {"optim.lr", "optim.momentum"}
     summaries = [json.loads(p.read_text()) for p in (workdir / "opt").glob("*/summary.json")]

@@ -473,12 +473,14 @@ def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_
         "checkpoints, plots); a new run there would mix its results with that one's. Continue that run with "
         "train(cfg, run_dir, resume=True), start it over with train(cfg, run_dir, overwrite=True) (deletes its "
         "results), or pass another run_dir.")
+    missing = tmp_path / "other" / "checkpoints" / "last.pt"
     with pytest.raises(CheckpointError) as e:
-        run_train(cfg(2), tmp_path / "other", resume=True)
+        run_train(cfg(2), tmp_path / "third", resume=str(missing))
     assert str(e.value) == (
-        f"train(resume=...): there is no checkpoint at {tmp_path / 'other' / 'checkpoints' / 'last.pt'}. train(cfg, "
+        f"train(resume=...): there is no checkpoint at {missing}. train(cfg, "
         "run_dir, resume=True) continues the run in run_dir (pass the interrupted run's directory); resume=PATH names "
         "a checkpoint or run directory.")
+    assert run_train(cfg(2), tmp_path / "other", resume=True)["trainer/steps"] == 2  # no checkpoint yet: step 0 on
     resumed = run_train(cfg(4), run, resume=True)  # continues from step 2
     assert resumed["trainer/steps"] == 4
     steps = [r["trainer/step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
@@ -492,3 +494,17 @@ def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_
     assert str(e.value).startswith(f"train(resume=...): cannot resume from {run / 'checkpoints' / 'last.pt'}: it is "
                                    "not a readable checkpoint")
     assert str(e.value).endswith("Or start again with train(cfg, run_dir, overwrite=True).")
+
+
+def test_the_spike_warning_names_spikes_jsonl_and_the_heatmap(tmp_path: Path, caplog):
+    at = 30  # as tests/telemetry/test_forensics.py: an output scaled x50 at one step
+    scale = f"+hooks.boom={{target: fc2, kind: forward, transform: scale, args: {{factor: 50.0}}, start_step: {at}, " \
+            f"end_step: {at + 1}}}"
+    with caplog.at_level("WARNING", logger="hookexp.train"):
+        train(config("model=mlp", "model.depth=4", "model.width=32", f"trainer.max_steps={at + 2}", "stats.every=1",
+                     "guard.spike.metric=train/loss", "guard.spike.window=8", "guard.spike.threshold=2",
+                     "guard.spike.checkpoint=false", scale), tmp_path)
+    (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spike of ")]
+    heatmap = tmp_path / "forensics" / f"step_{at}.png"
+    assert warning.endswith(f"; its row: {tmp_path / 'spikes.jsonl'}, which layer went first: {heatmap}"), warning
+    assert (tmp_path / "spikes.jsonl").exists() and heatmap.exists()

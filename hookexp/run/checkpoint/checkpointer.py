@@ -21,7 +21,7 @@ from hookexp.run.checkpoint.sharded import ShardedFormat
 from hookexp.run.checkpoint.signals import StopSignals
 from hookexp.run.checkpoint.state import LoopState, Stateful
 from hookexp.run.distributed import Dist
-from hookexp.run.rundir import CLI, RESUMABLE_CHANGES, Launch
+from hookexp.run.rundir import CLI, RESUMABLE_CHANGES, Launch, set_aside
 from hookexp.run.sinks import files_error
 
 log = logging.getLogger("hookexp.checkpoint")
@@ -87,6 +87,13 @@ class Checkpointer(ShardedFormat):
             if self.source.name == self.name and exists(previous):  # killed between the two renames of a save
                 log.warning("no %s: resuming from %s (a save was cut short)", self.source, previous)
                 self.source = previous
+            elif self.source == self.path and not self._other_layout():  # resume=true: no checkpoint here yet
+                aside = set_aside(self.run_dir, self.launch) if self.main else None
+                log.warning("resume: %s holds no checkpoint: starting from step 0%s", self.run_dir,
+                            f" (the files of the attempt before, which never checkpointed, are in {aside})" if aside
+                            else "")
+                self.source = None
+                return None
             else:
                 how = self.launch
                 raise CheckpointError(f"there is no checkpoint at {self.source}{self._other_layout()}. "
@@ -162,7 +169,11 @@ class Checkpointer(ShardedFormat):
 
     # -- writing ---------------------------------------------------------------------------------------
     def clean(self) -> None:
-        """Remove temporary files (and, under FSDP, directories) a kill inside a write left behind."""
+        """Remove temporary files (and, under FSDP, directories) a kill inside a write left behind; refuse a
+        directory where a checkpoint file goes (before training, not at the first checkpoint)."""
+        for name in () if self.sharded else (self.name, self.previous_name):
+            if (self.dir / name).is_dir():
+                raise files_error(self.dir / name, IsADirectoryError(name), self.run_dir)
         if self.dir.is_dir():
             for tmp in self.dir.glob(".*.tmp"):
                 if tmp.is_dir():

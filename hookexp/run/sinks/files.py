@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+import shlex
 import shutil
 import time
 from collections.abc import Mapping
@@ -87,6 +88,13 @@ def free_space(path: Path) -> str:
 
 
 def files_error(path: Path, error: OSError, run_dir: Path | None = None) -> RunFilesError:
+    """The one paragraph for a write to ``path`` that failed with ``error``: what is wrong and the fix."""
+    resume = f"resume=true hydra.run.dir={run_dir or path.parent}"
+    if path.is_dir():  # a folder where the file goes (os.replace onto it fails with EISDIR or ENOTDIR)
+        return RunFilesError(f"cannot write {path}: it is a directory, and hookexp writes a file there. "
+                             f"Everything written before is intact. Move the directory away or "
+                             f"delete it (rm -r {shlex.quote(str(path))}), then continue with {resume} (from its "
+                             "last checkpoint).")
     why = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file size limit is reached",
            errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
            errno.EDQUOT: "the disk quota is exceeded"}.get(error.errno or 0, error.strerror or str(error))
