@@ -36,6 +36,7 @@ from hookexp.run.manifest import build_manifest
 from hookexp.run.observers import trainer_observers
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
+from hookexp.run.rollback import Rollback
 from hookexp.run.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
 from hookexp.telemetry.forensics import draw
 from hookexp.telemetry.readback import split_histograms
@@ -73,8 +74,12 @@ class Trainer:
             self.loop = ckpt.restore(resumed) if resumed is not None else LoopState()
             if main:
                 self.write_manifest(resumed)
-            self.sinks = self.make_sinks(resumed)
-            ckpt.track(sinks=self.sinks)  # after the restore: what the backends keep is read by make_sinks
+            # rollback: host snapshots and the skip list (hookexp/run/rollback.py); it wraps the sinks so that
+            # re-done steps are not logged twice
+            self.rollback = Rollback(self, resumed)
+            self.sinks = self.rollback.wrap(self.make_sinks(resumed))
+            # after the restore: what the backends keep is read by make_sinks
+            ckpt.track(sinks=self.sinks, rollback=self.rollback)
             if main and self.hooks.table():
                 log.info("hooks:\n%s", hooks_summary(self.hooks.table()))
         except BaseException:
@@ -113,9 +118,13 @@ class Trainer:
                 batches = parts.loaders.epoch(loop.epoch, loop.batch)
             log_now = loop.step % self.cfg.stats.every == 0 or loop.step == total - 1 or \
                 self.spikes.logging_every_step(loop.step)
+            self.rollback.before_step()  # rollback: a snapshot when one is due
             taken, micro, spike = self.train_step(batches, per_epoch, log_now)
             bar.update(bool(taken))
             loop.train_s += time.perf_counter() - started
+            if taken and self.rollback.after_step(spike):  # rollback: restored a snapshot; reopen the batches there
+                batches = None
+                continue
             epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < micro
             if epoch_done:
                 loop.epoch, loop.batch, batches = loop.epoch + 1, 0, None
@@ -336,6 +345,7 @@ class Trainer:
             "status": status, "signal": self.ckpt.signum, "trainer/steps": loop.step, "trainer/epochs": loop.epoch,
             "runtime_s": time.perf_counter() - self.started, "perf/train_loop_s": loop.train_s,
             "run_dir": str(run_dir), **self.observers.summary(), **calls,
+            **self.rollback.summary(),  # rollback: what was rolled back and skipped
         })
         if status == "finished":
             summary["trainer/stopped_by"] = parts.limit  # the limit that ended the run, e.g. trainer.max_steps=4000
