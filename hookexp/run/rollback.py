@@ -90,8 +90,8 @@ class Rollback:
         spike = guard.get("spike") or {}
         self.action = spike.get("action", "log") or "log"
         if self.action not in ACTIONS:
-            raise ConfigError(f"unknown action {self.action!r}. Use one of: {', '.join(ACTIONS)} (rollback: restore the "
-                              "snapshot before the spike, skip its batches and go on).", key="guard.spike.action")
+            raise ConfigError(f"unknown action {self.action!r}. Use one of: {', '.join(ACTIONS)} (rollback: restore "
+                              "the snapshot before the spike, skip its batches and go on).", key="guard.spike.action")
         self.trainer = trainer
         spikes = trainer.observers.named.get("spike")
         self.on_spike = self.action == "rollback"
@@ -114,7 +114,7 @@ class Rollback:
         self.hide_until = -1  # steps <= this were logged before a rollback: not logged again
         self.held: list[dict[str, Any]] = []  # spike rows held until the step's decision
         self.snapshot_bytes = 0
-        self.log_steps: deque[int] = deque(maxlen=4)  # the last steps a log step described (train/* values)
+        self.log_steps: deque[int] = deque(maxlen=256)  # the last steps a log step described (train/* values)
         self._max_logged = -1  # the highest step logged
         self._sinks: Any = None
         if resumed is not None and "rollback" in resumed:
@@ -164,8 +164,8 @@ class Rollback:
             self._release(None)
             return False
         snapshot = self._before(event.onset)
-        if snapshot is not None:
-            self._write(snapshot, event)
+        if snapshot is not None:  # the oldest one before the onset: the most history for a replay's forensics
+            self._write(next(s for s in self.snapshots if s["loop"]["step"] <= event.onset), event)
         act = self.on_spike if event.reason != "non-finite" else self.on_nonfinite
         if not act:
             self._release(None)
@@ -192,7 +192,9 @@ class Rollback:
         if onset is not None:
             return min(int(onset), spike.step)
         earlier = [s for s in self.log_steps if s < spike.step]
-        return earlier[-1] + 1 if earlier else 0
+        if earlier:
+            return earlier[-1] + 1
+        return int(self.snapshots[0]["loop"]["step"]) if self.snapshots else spike.step
 
     def _before(self, onset: int) -> dict[str, Any] | None:
         """The newest snapshot at or before ``onset``."""
@@ -200,7 +202,7 @@ class Rollback:
         return fit[-1] if fit else None
 
     def _write(self, snapshot: dict[str, Any], event: Event) -> None:
-        """The pre-onset snapshot as ``checkpoints/snapshot_<step>.pt`` (rank 0), for a replay."""
+        """A pre-onset snapshot as ``checkpoints/snapshot_<step>.pt`` (rank 0), for a replay."""
         trainer = self.trainer
         if not trainer.parts.ranks.is_main:
             return
@@ -233,6 +235,7 @@ class Rollback:
         self.hide_until = max(self.hide_until, event.step, self._logged_max())
         self.snapshots = deque([s for s in self.snapshots if s["loop"]["step"] <= restored], maxlen=self.cfg.keep)
         self.positions = {s: p for s, p in self.positions.items() if s < restored}
+        self.log_steps = deque([s for s in self.log_steps if s < restored], maxlen=self.log_steps.maxlen)
         new = [b for b in skipped if b not in self.skipped]
         self.skipped.extend(new)
         row = {"step": event.step, "onset": event.onset, "reason": event.reason, "restored": restored,

@@ -37,3 +37,16 @@ def make(poison: list[int] = (), batch_size: int = 32, n: int = 2048, dim: int =
         else:
             train_x[rows] *= factor
     return Stream(train_x[keep], train_y[keep]), val
+
+
+def kill_once(x, ctx, step: int, marker: str):
+    """Changes nothing; SIGKILLs this process during training step ``step`` unless the file ``marker`` exists
+    (it is created first: a resumed run that passes the step again goes on)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    if ctx.step == step and not Path(marker).exists():
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
