@@ -394,3 +394,20 @@ def test_the_summary_best_and_the_report_rank_a_metric_alike(tmp_path, metric, l
     assert row.endswith(f"| never (best {best:g}) |")
     assert f"| (common overrides only) | 1 | {best:.4f} |" in markdown  # the summary's *_best, as the report shows it
     assert log_y(metric) is lower
+
+
+def test_runs_with_the_spike_recorder_get_a_spikes_column_counted_from_spikes_jsonl(tmp_path):
+    rows = [{"trainer/step": 0, "train/loss": 1.0}, {"trainer/step": 9, "val/loss": 1.0, "val/acc": 0.5}]
+    for i, (action, spikes) in enumerate([("log", 3), ("log", 1), ("rollback", 2), ("rollback", 0)]):
+        job = write_job(tmp_path / str(i), [f"guard.spike.action={action}", f"seed={i}"], rows)
+        (job / "spikes.jsonl").write_text("".join(json.dumps({"trainer/step": s}) + "\n" for s in range(spikes)))
+    markdown, groups, _ = report([tmp_path])
+    header = next(line for line in markdown.splitlines() if line.startswith("| group"))
+    assert header.split(" | ")[-1] == "spikes |"
+    assert [g.values("spikes") for g in groups] == [[3.0, 1.0], [2.0, 0.0]]
+    assert "| guard.spike.action=log | 2 |" in markdown and "| 2.0000 ± 1.4142 |" in markdown
+    (tmp_path / "0" / "spikes.jsonl").unlink()
+    for i in range(1, 4):
+        (tmp_path / str(i) / "spikes.jsonl").unlink()
+    again = report([tmp_path])[0]
+    assert "spikes" not in next(line for line in again.splitlines() if line.startswith("| group"))  # no recorder
