@@ -210,6 +210,7 @@ class Rollback:
         path = trainer.ckpt.dir / f"snapshot_{restored}.pt"
         if path.exists():
             return
+        _settle(trainer.parts.device)
         payload = {**snapshot, "format": trainer.ckpt.gather(trainer.loop, only=())["format"],
                    "config": dict(trainer.ckpt.config), "event": asdict(event)}
         atomic_save(payload, path)
@@ -217,7 +218,9 @@ class Rollback:
     def _restore(self, snapshot: dict[str, Any], event: Event) -> None:
         trainer, loop = self.trainer, self.trainer.loop
         restored = int(snapshot["loop"]["step"])
-        skipped = self._skipped(restored, event.step)
+        _settle(trainer.parts.device)
+        position = LoopState(**snapshot["loop"])
+        skipped = self._skipped((position.epoch, position.batch), restored, event.step)
         # counters that describe the whole run survive the restore (spikes found, steps skipped by the guard)
         kept = _counters(trainer.observers)
         objects = trainer.ckpt.objects
@@ -227,11 +230,11 @@ class Rollback:
                 obj.load_state_dict(_copy(snapshot[name], False))
         _set_counters(trainer.observers, kept)
         set_rng_state(snapshot["rng"])
-        position = LoopState(**snapshot["loop"])
         epoch, batch = self._advance((position.epoch, position.batch), skipped)
         loop.step, loop.epoch, loop.batch = position.step, epoch, batch
         loop.last_log_step, loop.evaluated = position.last_log_step, position.evaluated
         trainer.hooks.set_step(loop.step)
+        _repause_records(trainer.observers.named.get("spike"), loop.step)
         self.hide_until = max(self.hide_until, event.step, self._logged_max())
         self.snapshots = deque([s for s in self.snapshots if s["loop"]["step"] <= restored], maxlen=self.cfg.keep)
         self.positions = {s: p for s, p in self.positions.items() if s < restored}
@@ -249,15 +252,16 @@ class Rollback:
                     "(epoch, index): %s", event.reason, event.step, event.onset, restored, len(skipped),
                     _short(skipped))
 
-    def _skipped(self, restored: int, step: int) -> list[list[int]]:
-        """The batches from the snapshot's position through the event's, or the first ``skip`` of them."""
+    def _skipped(self, start: tuple[int, int], restored: int, step: int) -> list[list[int]]:
+        """The batches from the snapshot's position (``start``) through the event's, or ``skip`` batches from
+        there."""
         seen = [[epoch, b] for s in sorted(self.positions) if restored <= s <= step
                 for epoch, batches in [self.positions[s]] for b in batches]
         if self.cfg.skip is None:
             return seen
         if self.cfg.skip <= len(seen):
             return seen[:self.cfg.skip]
-        extra, (epoch, batch) = self.cfg.skip - len(seen), self._advance(tuple(seen[0]) if seen else (0, 0), seen)
+        extra, (epoch, batch) = self.cfg.skip - len(seen), self._advance(start, seen)
         per_epoch = self.trainer.parts.loaders.batches_per_epoch()
         for _ in range(extra):
             seen.append([epoch, batch])
@@ -340,6 +344,19 @@ class _Sinks:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._inner.load_state_dict(state)
+
+
+def _settle(device: torch.device) -> None:
+    """The snapshot copies enqueued on the device's stream have landed in host memory."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _repause_records(spike: Any, step: int) -> None:
+    """Restored to before a spike's window: the spike recorder's ``record`` specs are off again."""
+    record, hooks, until = (getattr(spike, k, None) for k in ("record", "hooks", "until"))
+    if record and hooks is not None and until is not None and step >= until:
+        hooks.pause(record)
 
 
 def _onset(event: Any, fallback: int) -> int:

@@ -131,6 +131,12 @@ def test_a_non_finite_step_rolls_back_and_skips_its_batch(tmp_path):
     assert steps == sorted(set(steps))
 
 
+def test_skip_n_skips_that_many_batches_from_the_restored_snapshot(tmp_path):
+    summary = run(tmp_path / "skip", *ROLLBACK, "guard.rollback.skip=3")
+    assert summary["guard/rollbacks"] == 1 and summary["guard/skipped"] == [[0, 23], [0, 24], [0, 25]]
+    assert summary["status"] == "finished" and summary["trainer/steps"] == 60
+
+
 def test_max_rollbacks_stops_the_run_naming_the_steps(tmp_path):
     with pytest.raises(RollbackLimitError) as stopped:
         run(tmp_path / "max", *ROLLBACK, "guard.rollback.max=1")
