@@ -133,7 +133,24 @@ def _replay_config(config: dict[str, Any], device: str | None) -> dict[str, Any]
         trainer["device"] = device
     config["logger"]["_target_"] = None
     config["resume"] = None
+    _relink_data(config["data"])
     return config
+
+
+def _relink_data(data: dict[str, Any]) -> None:
+    """A checkpoint keeps the config resolved: the data option's own keys (``data.p``) are no longer interpolated
+    by ``data.dataset`` (``${..p}``), which the data check reads as unused. Link them again by value."""
+    from hookexp.run.loaders import COMMON_KEYS
+
+    dataset = data.get("dataset")
+    if not isinstance(dataset, dict):
+        return
+    for key, value in data.items():
+        if key in COMMON_KEYS or isinstance(value, (dict, list)):
+            continue
+        for name, given in dataset.items():
+            if name == key and given == value:
+                dataset[name] = "${.." + key + "}"
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
