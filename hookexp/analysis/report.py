@@ -111,10 +111,10 @@ class Job:
 
     @property
     def spikes(self) -> int | None:
-        """The spikes the job's spike recorder found (lines of spikes.jsonl); None when it wrote none."""
+        """The spikes the job's spike recorder found (lines of spikes.jsonl); None without a spike recorder."""
         path = self.path / "spikes.jsonl"
         if not path.exists():
-            return None
+            return 0 if self.summary and "guard/spikes" in self.summary else None
         return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
     @property
@@ -180,7 +180,7 @@ def find_jobs(roots: list[Path]) -> list[Job]:
                               "directories.", key="DIR")
         markers = [*root.rglob("manifest.json"), *root.rglob("failure.json")]
         for job_dir in sorted({m.parent for m in markers}, key=lambda p: (len(p.parts), _natural(str(p)))):
-            if job_dir.resolve() in seen:
+            if job_dir.resolve() in seen or _is_replay(job_dir):
                 continue
             seen.add(job_dir.resolve())
             summary_path = job_dir / "summary.json"
@@ -195,6 +195,11 @@ def find_jobs(roots: list[Path]) -> list[Job]:
                 error = f"status {summary.get('status')!r}"
             jobs.append(Job(job_dir, _overrides(job_dir), summary, error, root))
     return jobs
+
+
+def _is_replay(job_dir: Path) -> bool:
+    """A replay's directory inside a run (``RUN/replay/step_N``, :mod:`hookexp.run.replay`): not a job."""
+    return job_dir.parent.name == "replay" and (job_dir.parent.parent / "manifest.json").exists()
 
 
 def mean_std(values: list[float]) -> str:
