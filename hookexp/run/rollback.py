@@ -177,7 +177,9 @@ class Rollback:
             return False
         if len(self.rollbacks) >= self.cfg.max:
             self._release({"action": "rollback", "rolled_back": False})
-            done = ", ".join(f"step {r['step']} (to {r['restored']})" for r in self.rollbacks)
+            listed = [f"step {r['step']} (to {r['restored']})" for r in self.rollbacks]
+            done = ", ".join(listed if len(listed) <= 8 else [*listed[:3], f"... {len(listed) - 8} more ...",
+                                                              *listed[-5:]])
             raise RollbackLimitError(f"{event.reason} at step {event.step}, after {len(self.rollbacks)} rollbacks "
                                      f"(guard.rollback.max={self.cfg.max}): {done or 'none'}. The run stops here; "
                                      "its checkpoints and spikes.jsonl say where. Lower the learning rate, raise "
