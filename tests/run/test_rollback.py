@@ -170,3 +170,23 @@ def test_rollback_at_the_default_cadence_skips_the_poisoned_batches(tmp_path):
     assert summary["guard/rollbacks"] >= 1
     assert all(b in summary["guard/skipped"] for b in POISONED)
     assert all(i <= 24 for _, i in summary["guard/skipped"])
+
+
+def test_under_ddp_every_rank_rolls_back_together_and_the_replicas_stay_in_sync(tmp_path):
+    from test_distributed import torchrun
+
+    done = torchrun([*DATA, *ROLLBACK, "logger=none", "hydra.run.dir=ddp"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["dist/world_size"] == 2 and summary["dist/params_in_sync"] is True
+    assert summary["guard/skipped"] == POISONED and summary["guard/rollbacks"] == 2  # each rank streams every batch
+    steps = [r["trainer/step"] for r in read_jsonl(tmp_path / "ddp" / "metrics.jsonl") if "train/loss" in r]
+    assert steps == list(range(60))
+
+
+@pytest.mark.slow
+def test_a_compiled_run_rolls_back_to_the_same_result_as_an_eager_one(runs, tmp_path):
+    summary = run(tmp_path / "compiled", *ROLLBACK, "trainer.compile=true", "guard.forensics.window=0")
+    eager = json.loads((runs["rollback"] / "summary.json").read_text())
+    assert summary["guard/skipped"] == POISONED
+    assert summary["val/loss"] == pytest.approx(eager["val/loss"], rel=1e-5)
