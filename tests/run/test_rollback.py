@@ -97,6 +97,16 @@ def test_replay_of_the_spike_reproduces_its_logged_loss_bitwise_and_names_the_fi
     assert "reproduced exactly" in done.stdout
 
 
+def test_wandb_gets_the_same_monotonic_steps_as_metrics_jsonl(tmp_path):
+    """W&B refuses a step that goes back: the re-done steps are logged to neither."""
+    from conftest import wandb_history
+
+    run(tmp_path, *ROLLBACK, "logger=wandb")
+    logged = [r["trainer/step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    sent = [r["trainer/step"] for r in wandb_history(tmp_path) if "train/loss" in r]
+    assert sent == logged == list(range(60))
+
+
 def test_sigkill_after_a_rollback_then_resume_equals_the_uninterrupted_run(tmp_path):
     kill = "+hooks.stop={target:'',kind:forward,transform:{_target_:poisoned.kill_once,step:45,marker:'%s'}}"
     args = [*DATA, *ROLLBACK, "trainer.checkpoint_every=10", "logger=none"]
