@@ -6,14 +6,16 @@ step, and say whether the replay reproduces what the run logged (docs/rollback.m
 
 It starts from the newest checkpoint of ``RUN_DIR/checkpoints/`` at or before step N (a spike writes the snapshot
 before its onset there as ``snapshot_<step>.pt``; ``last.pt``/``previous.pt`` count too), with the run's own config
-except: ``stats.every=1``, ``guard.spike.action=log``, ``guard.nan_policy=warn`` (from raise or rollback: the
-replay goes through the bad step), no logger, no checkpoints, no records. It trains to step N + ``after`` on the
-schedule of the original run (the same total steps), writes into ``RUN_DIR/replay/step_N/`` (the run's own files
-are never touched) and leaves ``report.json`` and ``report.md`` there:
+except: ``stats.every=1`` (``every``: another cadence; None: the run's own), ``guard.spike.action=log``,
+``guard.nan_policy=warn`` (from raise or rollback: the replay goes through the bad step), no logger, no
+checkpoints, no records. It trains to step N + ``after`` on the schedule of the original run (the same total
+steps), in one process, writes into ``RUN_DIR/replay/step_N/`` (the run's own files are never touched) and leaves
+``report.json`` and ``report.md`` there:
 
 - ``reproduced``: every value the run logged for a single step in the replayed range (perf/* aside) is bitwise
   equal in the replay; a value logged for a longer period (a log step at ``stats.every`` > 1) is not comparable
-  step by step and is listed as such. When a value differs the report says where first: a nondeterministic op
+  step by step and is listed as such, unless the replay keeps the run's cadence (``every=None``, ``--every run``),
+  which compares every logged line. When a value differs the report says where first: a nondeterministic op
   (``repro.deterministic=true``) or the hardware (another device, or silent data corruption);
 - ``first``: forensics' ranking at the replayed spike (which layer left its range first);
 - ``batches``: the (epoch, batch indices) of every replayed step.
@@ -59,7 +61,7 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None = None,
-           out: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
+           out: str | Path | None = None, every: int | None = 1, quiet: bool = False) -> dict[str, Any]:
     """Replay the steps of ``run_dir`` from the newest checkpoint at or before ``step`` to ``step + after`` into
     ``run_dir/replay/step_<step>/`` (or ``out``); returns the report (module docstring) and prints its summary."""
     from hookexp.run import distributed
@@ -79,7 +81,8 @@ def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None
                               "keeps more starting points.", key="--step")
     start, source = usable[-1]
     data = read_checked(source, REQUIRED)
-    config = _replay_config(data["config"], device)
+    config = _replay_config(data["config"], device, every)
+    same_cadence = config["stats"]["every"] == data["config"]["stats"]["every"]
     cfg = OmegaConf.create(config)
     target = Path(out) if out is not None else run_dir / "replay" / f"step_{step}"
     if target.exists():
@@ -109,7 +112,7 @@ def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None
 
     trainer.train_step = recorded  # type: ignore[method-assign]
     summary = trainer.fit()
-    report = _report(run_dir, target, step, start, source, batches, summary, str(parts.device))
+    report = _report(run_dir, target, step, start, source, batches, summary, str(parts.device), same_cadence)
     (target / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (target / "report.md").write_text(_markdown(report), encoding="utf-8")
     if not quiet:
@@ -117,9 +120,10 @@ def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None
     return report
 
 
-def _replay_config(config: dict[str, Any], device: str | None) -> dict[str, Any]:
+def _replay_config(config: dict[str, Any], device: str | None, every: int | None = 1) -> dict[str, Any]:
     config = json.loads(json.dumps(config))  # a deep copy of plain values
-    config["stats"]["every"] = 1
+    if every is not None:
+        config["stats"]["every"] = every
     guard = config["guard"]
     guard["spike"].update(action="log", checkpoint=False)
     if guard.get("nan_policy") in ("raise", "rollback"):
@@ -166,7 +170,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _report(run_dir: Path, target: Path, step: int, start: int, source: Path, batches: list[dict[str, Any]],
-            summary: dict[str, Any], device: str) -> dict[str, Any]:
+            summary: dict[str, Any], device: str, same_cadence: bool = False) -> dict[str, Any]:
     logged = [r for r in _read(run_dir / "metrics.jsonl") if any(k.startswith("train/") for k in r)]
     replayed = {r["trainer/step"]: r for r in _read(target / "metrics.jsonl") if any(k.startswith("train/") for k in r)}
     last = max(replayed) if replayed else start - 1
@@ -182,7 +186,7 @@ def _report(run_dir: Path, target: Path, step: int, start: int, source: Path, ba
         previous = s
         if s < start or s > comparable:
             continue
-        if period_start != s or period_start < start:
+        if not same_cadence and (period_start != s or period_start < start):
             periods.append({"step": s, "steps": s - period_start + 1})
             continue
         mine = replayed.get(s, {})
@@ -262,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, required=True, help="the step to replay (e.g. a spike's trainer/step)")
     parser.add_argument("--after", type=int, default=2, help="steps replayed after it (default 2)")
     parser.add_argument("--device", default=None, help="cpu | cuda | ...: where to replay (default: the run's)")
+    parser.add_argument("--every", default="1", help="the replay's stats.every (default 1: every step); run: the "
+                        "run's own, so that its multi-step log lines are compared too")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.every != "run" and not (args.every.isdigit() and int(args.every) >= 1):
+        parser.error(f"--every: a whole number of at least 1, or run; got {args.every!r}")
     try:
-        report = replay(args.run_dir, args.step, after=args.after, device=args.device)
+        report = replay(args.run_dir, args.step, after=args.after, device=args.device,
+                        every=None if args.every == "run" else int(args.every))
     except HookexpError as e:
         print(f"hookexp replay: {e}", file=sys.stderr)
         return 2

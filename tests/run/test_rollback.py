@@ -200,3 +200,19 @@ def test_a_compiled_run_rolls_back_to_the_same_result_as_an_eager_one(runs, tmp_
     eager = json.loads((runs["rollback"] / "summary.json").read_text())
     assert summary["guard/skipped"] == POISONED
     assert summary["val/loss"] == pytest.approx(eager["val/loss"], rel=1e-5)
+
+
+def test_replay_at_the_runs_own_cadence_compares_its_multi_step_log_lines(tmp_path):
+    """stats.every=10: the spike's line (step 30) describes steps 21-30. A replay at stats.every=1 compares only
+    the single-step lines of the spike's window; one at the run's cadence (every=None) compares that line too."""
+    summary = run(tmp_path / "run", "guard.spike.metric=train/loss", "guard.spike.window=2")
+    assert summary["guard/spikes"] >= 1
+    (spike, *_) = read_jsonl(tmp_path / "run" / "spikes.jsonl")
+    assert spike["trainer/step"] == 30 and [s["step"] for s in spike["steps"]] == list(range(21, 31))
+    fine = replay(tmp_path / "run", 30, out=tmp_path / "fine", quiet=True)
+    assert fine["reproduced"] and {v["step"] for v in fine["values"]} == {31, 32}
+    assert {"step": 30, "steps": 10} in fine["periods_not_compared"]
+    same = replay(tmp_path / "run", 30, out=tmp_path / "same", every=None, quiet=True)
+    assert same["reproduced"] and {v["step"] for v in same["values"]} >= {30, 31, 32}
+    (line,) = [v for v in same["values"] if v["step"] == 30]
+    assert line["logged"] == line["replayed"] == spike["value"]
