@@ -216,3 +216,16 @@ def test_replay_at_the_runs_own_cadence_compares_its_multi_step_log_lines(tmp_pa
     assert same["reproduced"] and {v["step"] for v in same["values"]} >= {30, 31, 32}
     (line,) = [v for v in same["values"] if v["step"] == 30]
     assert line["logged"] == line["replayed"] == spike["value"]
+
+
+def test_replay_main_exits_0_when_reproduced_and_2_with_one_paragraph_when_there_is_no_checkpoint(runs, capsys):
+    from hookexp.run.replay import main
+
+    assert main([str(runs["rollback"]), "--step", "23", "--after", "0"]) == 0
+    assert "reproduced exactly" in capsys.readouterr().out
+    assert main([str(runs["rollback"]), "--step", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hookexp replay: --step: no checkpoint of {runs['rollback']} is at or before step 5 (the "
+                          "run has: snapshot_21.pt (step 21)). A spike writes the snapshot before it")
+    assert main([str(runs["rollback"] / "nothing"), "--step", "5"]) == 2
+    assert "is not a hookexp run directory (no metrics.jsonl)" in capsys.readouterr().err
