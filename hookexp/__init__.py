@@ -26,6 +26,7 @@ _EXPORTS = {
                      "TransformOutputError", "HookWarning", "CheckpointError", "MissingExtraError", "NonFiniteError",
                      "RunDirError", "RunFilesError"), "hookexp.errors"),
     **dict.fromkeys(("watch", "Watch"), "hookexp.telemetry.watch"),
+    "replay": "hookexp.run.replay",
 }
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "register_kind",
     "register_transform",
     "register_transform_alias",
+    "replay",
     "watch",
 ]
 
@@ -104,6 +106,7 @@ if TYPE_CHECKING:
         TransformArgsError,
         TransformOutputError,
     )
+    from hookexp.run.replay import replay
     from hookexp.telemetry.watch import Watch, watch
 
 

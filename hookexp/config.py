@@ -98,6 +98,9 @@ def _whole(key: str, value: Any, least: int) -> None:
         raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.", key=key)
 
 
+SPIKE_ACTIONS = ("log", "rollback")
+
+
 @dataclass
 class SpikeConfig:
     """``guard.spike``: the spike recorder (hookexp/telemetry/spike.py). Every step, ``metric`` is compared with the
@@ -112,6 +115,9 @@ class SpikeConfig:
     # hook specs with transform: record that act only in a spike's window
     record: list[str] = field(default_factory=list)
     checkpoint: bool = True  # save a checkpoint at each spike
+    # log: record the spike and go on | rollback: restore the snapshot before its onset, skip its batches, go on
+    # (guard.rollback; docs/rollback.md)
+    action: str = "log"
 
     def __post_init__(self) -> None:
         _whole("guard.spike.window", self.window, 1)
@@ -119,6 +125,10 @@ class SpikeConfig:
         if not self.threshold > 1:
             raise ConfigError(f"must be above 1 (a spike is the metric above threshold x its recent median), got "
                               f"{self.threshold!r}.", key="guard.spike.threshold")
+        if self.action not in SPIKE_ACTIONS:
+            raise ConfigError(f"unknown action {self.action!r}.{did_you_mean(str(self.action), SPIKE_ACTIONS)} Use one "
+                              f"of: {', '.join(SPIKE_ACTIONS)} (rollback: restore the snapshot before the spike, skip "
+                              "its batches and go on).", key="guard.spike.action")
 
 
 @dataclass
@@ -143,14 +153,39 @@ class ForensicsConfig:
 
 
 @dataclass
+class RollbackConfig:
+    """``guard.rollback``: host-memory snapshots of the whole training state, and what a rollback skips
+    (hookexp/run/rollback.py). Snapshots are taken while the spike recorder is on or ``nan_policy=rollback``;
+    ``guard.spike.action=rollback`` / ``guard.nan_policy=rollback`` restore them."""
+
+    every: int = 10  # steps between snapshots (a snapshot holds the state before that step)
+    keep: int = 3  # snapshots kept in host memory (each: the model, the optimizer state and the rest, on the host)
+    # batches skipped after a rollback: null: every batch from the restored snapshot to the event; N: N batches
+    skip: Optional[int] = None  # noqa: UP045
+    max: int = 5  # rollbacks in a run; one more event stops the run with an error naming the steps
+
+    def __post_init__(self) -> None:
+        for key, least in (("every", 1), ("keep", 1), ("max", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.",
+                                  key=f"guard.rollback.{key}")
+        if self.skip is not None and (isinstance(self.skip, bool) or not isinstance(self.skip, int) or self.skip < 0):
+            raise ConfigError(f"must be null (skip every batch from the restored snapshot to the event) or a whole "
+                              f"number of batches of at least 0, got {self.skip!r}.", key="guard.rollback.skip")
+
+
+@dataclass
 class GuardConfig:
     """``guard``: what a NaN/Inf loss or gradient does, the spike recorder, and first-divergence forensics."""
 
     # raise (stop, naming the step, the parameters and the hooks touching them) | skip_step (skip that update) |
-    # warn (go on) | off. See hookexp/telemetry/guard.py for what each costs.
+    # warn (go on) | off | rollback (restore the snapshot before it, skip its batches: guard.rollback). See
+    # hookexp/telemetry/guard.py for what each costs.
     nan_policy: str = "raise"
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
 
 @dataclass

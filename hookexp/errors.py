@@ -130,3 +130,7 @@ class MissingExtraError(HookexpError, ImportError):
 
 class NonFiniteError(HookexpError, FloatingPointError):
     """A loss or gradient became NaN or Inf and ``guard.nan_policy`` is ``raise``."""
+
+
+class RollbackLimitError(HookexpError, RuntimeError):
+    """A run met one more spike or non-finite step than ``guard.rollback.max`` rollbacks allow."""

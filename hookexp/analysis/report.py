@@ -59,6 +59,7 @@ Examples:
 """
 
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
+SPIKES = "spikes"  # a column of the table: the lines of a job's spikes.jsonl (the spikes guard.spike found)
 CURVES = ("train/loss", "val/acc")
 IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "trainer.progress=")
 WIDTH_KEYS = ("model.width", "model.d_model")
@@ -94,7 +95,10 @@ class Job:
         return self.metrics.series(metric)
 
     def value(self, metric: str) -> Any:
-        """The metric from summary.json, else its last logged value in metrics.jsonl."""
+        """The metric from summary.json, else its last logged value in metrics.jsonl (``spikes``: the number of
+        spikes in spikes.jsonl)."""
+        if metric == SPIKES:
+            return self.spikes
         if self.summary and metric in self.summary:
             return self.summary[metric]
         last = self.curve(metric)
@@ -108,6 +112,14 @@ class Job:
         """The best finite value logged (max for >=, min for <=): what a job that never reached got to."""
         values = [v for v in self.curve(target.metric).values() if math.isfinite(v)]
         return (max if target.op == ">=" else min)(values) if values else None
+
+    @property
+    def spikes(self) -> int | None:
+        """The spikes the job's spike recorder found (lines of spikes.jsonl); None without a spike recorder."""
+        path = self.path / "spikes.jsonl"
+        if not path.exists():
+            return 0 if self.summary and "guard/spikes" in self.summary else None
+        return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
     @property
     def kept(self) -> list[str]:
@@ -172,7 +184,7 @@ def find_jobs(roots: list[Path]) -> list[Job]:
                               "directories.", key="DIR")
         markers = [*root.rglob("manifest.json"), *root.rglob("failure.json")]
         for job_dir in sorted({m.parent for m in markers}, key=lambda p: (len(p.parts), _natural(str(p)))):
-            if job_dir.resolve() in seen:
+            if job_dir.resolve() in seen or _is_replay(job_dir):
                 continue
             seen.add(job_dir.resolve())
             summary_path = job_dir / "summary.json"
@@ -187,6 +199,11 @@ def find_jobs(roots: list[Path]) -> list[Job]:
                 error = f"status {summary.get('status')!r}"
             jobs.append(Job(job_dir, _overrides(job_dir), summary, error, root))
     return jobs
+
+
+def _is_replay(job_dir: Path) -> bool:
+    """A replay's directory inside a run (``RUN/replay/step_N``, :mod:`hookexp.run.replay`): not a job."""
+    return job_dir.parent.name == "replay" and (job_dir.parent.parent / "manifest.json").exists()
 
 
 def mean_std(values: list[float]) -> str:
@@ -293,8 +310,11 @@ def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, .
     if finished:
         _check_names([t.metric for t in targets], logged, set(), "--reach")
         _check_names(curves, logged, set(CURVES), "--curves")
-        _check_names(metrics, logged | {k for j in finished for k in j.summary or {}}, set(METRICS), "--metrics")
+        _check_names(metrics, logged | {k for j in finished for k in j.summary or {}} | {SPIKES},
+                     set(METRICS), "--metrics")
         metrics = tuple(m for m in metrics if m not in METRICS or any(g.values(m) for g in groups))
+        if SPIKES not in metrics and any(j.spikes is not None for j in finished):
+            metrics = (*metrics, SPIKES)  # runs with the spike recorder: how many spikes each found
     out_dir = _prepare_out(Path(out_dir) if out_dir is not None else roots[0])
 
     text = [f"# hookexp report: {', '.join(map(str, roots))}", "",

@@ -34,6 +34,7 @@ from hookexp.run.loaders import no_batch, to_device
 from hookexp.run.manifest import build_manifest
 from hookexp.run.precision import MixedPrecision
 from hookexp.run.records import Records
+from hookexp.run.rollback import Rollback
 from hookexp.run.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backend, write_json_atomic
 from hookexp.telemetry.assemble import Wiring, build_observers
 from hookexp.telemetry.forensics import draw
@@ -95,8 +96,12 @@ class Trainer:
             self.loop = ckpt.restore(resumed) if resumed is not None else LoopState()
             if main:
                 self.write_manifest(resumed)
-            self.sinks = self.make_sinks(resumed)
-            ckpt.track(sinks=self.sinks)  # after the restore: what the backends keep is read by make_sinks
+            # rollback: host snapshots and the skip list (hookexp/run/rollback.py); it wraps the sinks so that
+            # re-done steps are not logged twice
+            self.rollback = Rollback(self, resumed)
+            self.sinks = self.rollback.wrap(self.make_sinks(resumed))
+            # after the restore: what the backends keep is read by make_sinks
+            ckpt.track(sinks=self.sinks, rollback=self.rollback)
             if main and self.hooks.table():
                 log.info("hooks:\n%s", hooks_summary(self.hooks.table()))
         except BaseException:
@@ -138,10 +143,14 @@ class Trainer:
                 batches = parts.loaders.epoch(loop.epoch, loop.batch)
             log_now = loop.step % self.cfg.stats.every == 0 or loop.step == total - 1 or \
                 self.recorder.logging_every_step(loop.step)
+            self.rollback.before_step()  # rollback: a snapshot when one is due
             result = self.train_step(batches, per_epoch, log_now)
             taken = result.taken
             bar.update(bool(taken))
             loop.train_s += time.perf_counter() - started
+            if taken and self.rollback.after_step(result.spike):  # rollback: restored a snapshot; reopen the batches
+                batches = None
+                continue
             epoch_done = (per_epoch is not None and loop.batch >= per_epoch) or taken < result.asked
             if epoch_done:
                 loop.epoch, loop.batch, batches = loop.epoch + 1, 0, None
@@ -368,6 +377,7 @@ class Trainer:
             "trainer/epochs": loop.epoch,
             "runtime_s": time.perf_counter() - self.started, "perf/train_loop_s": loop.train_s,
             "run_dir": str(run_dir), **self.observers.summary(), **calls,
+            **self.rollback.summary(),  # rollback: what was rolled back and skipped
         })
         if status == "finished":
             summary["trainer/stopped_by"] = self.stopped_by  # e.g. trainer.max_steps=4000

@@ -23,7 +23,7 @@ from hookexp.telemetry.observer import Observer
 from hookexp.telemetry.spike import Deferred
 
 log = logging.getLogger("hookexp.guard")
-POLICIES = ("raise", "skip_step", "warn", "off")
+POLICIES = ("raise", "skip_step", "warn", "off", "rollback")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,8 @@ class NonFiniteGuard(Observer):
         # FSDP: each rank sees its own shards; agree() makes the answer every rank's (else one rank raises or
         # skips alone and the others wait for it in the next collective)
         self.agree = agree
-        self.sync = device is None or device.type == "cpu" or policy == "skip_step"
+        self.sync = device is None or device.type == "cpu" or policy in ("skip_step", "rollback")
+        self.rollback_step: int | None = None  # rollback: the non-finite step the trainer rolls back from
         self.skipped = 0
         self.warned = 0
         self.deferred = Deferred()  # raise / warn on a GPU: each step's flag (-1, or the step), read a step later
@@ -87,9 +88,10 @@ class NonFiniteGuard(Observer):
         if bool(finite):
             return True
         message = self.describe(loss, step)
-        if self.policy == "skip_step":
+        if self.policy in ("skip_step", "rollback"):  # rollback: skip it, and hookexp.run.rollback restores a snapshot
             self.skipped += 1
-            log.warning("%s Skipping this update (guard.nan_policy=skip_step).", message)
+            self.rollback_step = step if self.policy == "rollback" else None
+            log.warning("%s Skipping this update (guard.nan_policy=%s).", message, self.policy)
             return False
         self._report(message)
         return True

@@ -394,3 +394,25 @@ def test_the_summary_best_and_the_report_rank_a_metric_alike(tmp_path, metric, l
     assert row.endswith(f"| never (best {best:g}) |")
     assert f"| (common overrides only) | 1 | {best:.4f} |" in markdown  # the summary's *_best, as the report shows it
     assert log_y(metric) is lower
+
+
+def test_runs_with_the_spike_recorder_get_a_spikes_column_counted_from_spikes_jsonl(tmp_path):
+    rows = [{"trainer/step": 0, "train/loss": 1.0}, {"trainer/step": 9, "val/loss": 1.0, "val/acc": 0.5}]
+    for i, (action, spikes) in enumerate([("log", 3), ("log", 1), ("rollback", 2), ("rollback", 0)]):
+        job = write_job(tmp_path / str(i), [f"guard.spike.action={action}", f"seed={i}"], rows)
+        (job / "spikes.jsonl").write_text("".join(json.dumps({"trainer/step": s}) + "\n" for s in range(spikes)))
+    write_job(tmp_path / "0" / "replay" / "step_5", ["guard.spike.action=log"], rows)  # a replay: not a job
+    markdown, groups, _ = report([tmp_path])
+    header = next(line for line in markdown.splitlines() if line.startswith("| group"))
+    assert header.split(" | ")[-1] == "spikes |"
+    assert [g.values("spikes") for g in groups] == [[3.0, 1.0], [2.0, 0.0]]
+    assert "| guard.spike.action=log | 2 |" in markdown and "| 2.0000 ± 1.4142 |" in markdown
+    (tmp_path / "3" / "spikes.jsonl").unlink()  # a run whose recorder found no spike writes no file ...
+    summary = json.loads((tmp_path / "3" / "summary.json").read_text())
+    (tmp_path / "3" / "summary.json").write_text(json.dumps({**summary, "guard/spikes": 0}))
+    assert report([tmp_path])[1][1].values("spikes") == [2.0, 0.0]  # ... and counts 0 (its summary says it was on)
+    (tmp_path / "3" / "summary.json").write_text(json.dumps(summary))
+    for i in range(3):
+        (tmp_path / str(i) / "spikes.jsonl").unlink()
+    again = report([tmp_path])[0]
+    assert "spikes" not in next(line for line in again.splitlines() if line.startswith("| group"))  # no recorder

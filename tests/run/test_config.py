@@ -119,6 +119,8 @@ DEFAULTS = {
     "trainer.strategy": "auto", "trainer.fsdp.wrap": "@blocks", "trainer.fsdp.reshard_after_forward": True,
     "guard.nan_policy": "raise", "guard.spike.metric": None, "guard.spike.window": 20, "guard.spike.threshold": 3.0,
     "guard.spike.min_value": 0.0, "guard.spike.steps": 10, "guard.spike.record": [], "guard.spike.checkpoint": True,
+    "guard.spike.action": "log", "guard.rollback.every": 10, "guard.rollback.keep": 3, "guard.rollback.skip": None,
+    "guard.rollback.max": 5,
     "guard.forensics.window": 32, "guard.forensics.z": 8.0, "guard.forensics.top": 10, "guard.forensics.updates": False,
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
@@ -149,6 +151,10 @@ CHANGED = {
         "trainer.epochs": 25, "trainer.accumulate": 4, "trainer.progress": False, "stats.grads": None,
         "stats.gns": True, "stats.group_by": r"re:^(conv\d|fc\d)", "logger.group": "gradient_noise_scale",
         "logger.tags": ["study"]},
+    "experiment=loss_spikes": {
+        "trainer.max_steps": 1000, "trainer.eval_every": 100, "trainer.eval_every_epochs": 0, "trainer.progress": False,
+        "stats.every": 1, "stats.grads": None, "guard.spike.metric": "train/loss", "guard.spike.threshold": 2.5,
+        "guard.rollback.max": 100, "logger.group": "loss_spikes", "logger.tags": ["study"]},
     "sweep=optuna_lr": {"trainer.epochs": 5},
 }
 TOP_LEVEL = ["seed", "model", "task", "data", "optim", "scheduler", "trainer", "guard", "hooks", "stats", "logger",

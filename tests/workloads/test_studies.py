@@ -175,6 +175,7 @@ def test_eval_every_epochs_zero_validates_only_every_eval_every_steps(tmp_path: 
     ["experiment=grokking_weight_decay", "data.p=11", "data.batch_size=36", "trainer.max_steps=3",
      "trainer.eval_every=2", "stats.every=1"],
     ["experiment=gradient_noise_scale", "trainer.max_steps=3", "stats.every=1"],
+    ["experiment=loss_spikes", "guard.spike.action=rollback", "trainer.max_steps=3", "trainer.eval_every=2"],
 ])
 def test_study_configs_train_a_few_steps(overrides, tmp_path: Path):
     summary = train(config(*overrides), tmp_path)

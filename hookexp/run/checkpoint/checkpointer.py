@@ -189,16 +189,23 @@ class Checkpointer(ShardedFormat):
             return not self.ranks.any(not here, next(model.parameters()).device)
         return here
 
+    def gather(self, loop: LoopState, extra: Mapping[str, Any] | None = None, only: tuple[str, ...] | None = None
+               ) -> dict[str, Any]:
+        """What a one-file checkpoint of ``loop`` holds (``only``: just these tracked objects), not copied: the
+        tensors are the live ones (:mod:`hookexp.run.rollback` copies them into its snapshots)."""
+        payload: dict[str, Any] = {"format": FORMAT, "config": dict(self.config), "loop": asdict(loop),
+                                   "rng": rng_state(), **(extra or {})}
+        for name, obj in self.objects.items():  # on every rank: a state may gather the ranks' parts (the meter's)
+            if obj is not None and (only is None or name in only):
+                payload[name] = obj.state_dict()
+        return payload
+
     def save(self, loop: LoopState, extra: Mapping[str, Any] | None = None) -> Path:
         """Write the checkpoint of ``loop`` (rank 0; others return at once; under FSDP every rank). The caller has
         made sure that the state is finite (:meth:`finite`)."""
         if self.sharded:
             return self._save_sharded(loop, extra)
-        payload: dict[str, Any] = {"format": FORMAT, "config": dict(self.config), "loop": asdict(loop),
-                                   "rng": rng_state(), **(extra or {})}
-        for name, obj in self.objects.items():  # on every rank: a state may gather the ranks' parts (the meter's)
-            if obj is not None:
-                payload[name] = obj.state_dict()
+        payload = self.gather(loop, extra)
         if not self.main:
             return self.path
         tmp = self.dir / f".last.pt.{os.getpid()}.tmp"
