@@ -197,7 +197,7 @@ def test_no_name_is_defined_twice_in_run_telemetry_integrations_and_config():
     assert twice([*layer_files("run", "telemetry", "integrations", skip=DETECT), PACKAGE / "config.py"]) == {}
 
 
-@pytest.mark.xfail(strict=False, reason="lands with the engine split (parse_specs, _forward, _generator, REQUIRED) "
+@pytest.mark.xfail(strict=False, reason="lands with the engine split (parse_specs, _generator) "
                                         "and the forensics rewrite (Target, _local)")
 def test_no_name_is_defined_twice_across_the_package():
     assert twice(sorted(PACKAGE.rglob("*.py"))) == {}

@@ -17,6 +17,7 @@ import math
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hookexp.errors import CheckpointError, HookexpError
-from hookexp.run.checkpoint import REQUIRED, Checkpointer, read_checked
+from hookexp.run.checkpoint import REQUIRED_ENTRIES, Checkpointer, read_checked
 
 PATTERN = re.compile(r"^snapshot_(\d+)\.pt$")
 
@@ -48,10 +49,25 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None = None,
-           out: str | Path | None = None, every: int | None = 1, quiet: bool = False) -> dict[str, Any]:
+@dataclass
+class ReplayOptions:
+    """How :func:`replay` re-runs: ``after`` steps past the asked one; ``every``: the replay's ``stats.every``
+    (None: the run's own, so that its multi-step log lines are compared too); ``device`` (None: the run's);
+    ``out``: the folder (None: ``RUN_DIR/replay/step_<N>/``); ``quiet``: print no summary."""
+
+    after: int = 2
+    every: int | None = 1
+    device: str | None = None
+    out: str | Path | None = None
+    quiet: bool = False
+
+
+def replay(run_dir: str | Path, step: int, options: ReplayOptions | None = None) -> dict[str, Any]:
     """Replay the steps of ``run_dir`` from the newest checkpoint at or before ``step`` to ``step + after`` into
-    ``run_dir/replay/step_<step>/`` (or ``out``); returns the report (module docstring) and prints its summary."""
+    ``run_dir/replay/step_<step>/`` (or ``options.out``); returns the report (module docstring) and prints its
+    summary."""
+    options = options if options is not None else ReplayOptions()
+    after, every, device, out, quiet = options.after, options.every, options.device, options.out, options.quiet
     from hookexp.run import distributed
     from hookexp.run.build import build, pick_device
     from hookexp.run.checkpoint import require_writable
@@ -68,7 +84,7 @@ def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None
                               "spike writes the snapshot before it (guard.spike.metric); trainer.checkpoint_every=N "
                               "keeps more starting points.", key="--step")
     start, source = usable[-1]
-    data = read_checked(source, REQUIRED)
+    data = read_checked(source, REQUIRED_ENTRIES)
     config = _replay_config(data["config"], device, every)
     same_cadence = config["stats"]["every"] == data["config"]["stats"]["every"]
     cfg = OmegaConf.create(config)
@@ -100,7 +116,7 @@ def replay(run_dir: str | Path, step: int, *, after: int = 2, device: str | None
 
     trainer.train_step = recorded  # type: ignore[method-assign]
     summary = trainer.fit()
-    report = _report(run_dir, target, step, start, source, batches, summary, str(parts.device), same_cadence)
+    report = _report(_Replayed(run_dir, target, step, start, source, batches, summary, str(parts.device), same_cadence))
     (target / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (target / "report.md").write_text(_markdown(report), encoding="utf-8")
     if not quiet:
@@ -157,8 +173,24 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _report(run_dir: Path, target: Path, step: int, start: int, source: Path, batches: list[dict[str, Any]],
-            summary: dict[str, Any], device: str, same_cadence: bool = False) -> dict[str, Any]:
+@dataclass
+class _Replayed:
+    """What a replay ran: from ``source`` (step ``start``) into ``target``, the batches of each step, its summary."""
+
+    run_dir: Path
+    target: Path
+    step: int
+    start: int
+    source: Path
+    batches: list[dict[str, Any]]
+    summary: dict[str, Any]
+    device: str
+    same_cadence: bool
+
+
+def _report(r: _Replayed) -> dict[str, Any]:
+    run_dir, target, step, start, source = r.run_dir, r.target, r.step, r.start, r.source
+    batches, summary, device, same_cadence = r.batches, r.summary, r.device, r.same_cadence
     logged = [r for r in _read(run_dir / "metrics.jsonl") if any(k.startswith("train/") for k in r)]
     replayed = {r["trainer/step"]: r for r in _read(target / "metrics.jsonl") if any(k.startswith("train/") for k in r)}
     last = max(replayed) if replayed else start - 1
@@ -260,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.every != "run" and not (args.every.isdigit() and int(args.every) >= 1):
         parser.error(f"--every: a whole number of at least 1, or run; got {args.every!r}")
     try:
-        report = replay(args.run_dir, args.step, after=args.after, device=args.device,
-                        every=None if args.every == "run" else int(args.every))
+        report = replay(args.run_dir, args.step, ReplayOptions(
+            after=args.after, every=None if args.every == "run" else int(args.every), device=args.device))
     except HookexpError as e:
         print(f"hookexp replay: {e}", file=sys.stderr)
         return 2

@@ -230,7 +230,7 @@ class Rollback:
             trainer.bar.refresh()
         log.warning("%s at step %d (onset %d): rolled back to the snapshot of step %d and skipped %d batches "
                     "(epoch, index): %s", event.reason, event.step, event.onset, restored, len(skipped),
-                    _short(skipped))
+                    _batch_list(skipped))
 
     def _skipped(self, start: tuple[int, int], restored: int, step: int) -> list[list[int]]:
         """The batches from the snapshot's position (``start``) through the event's, or ``skip`` batches from
@@ -364,6 +364,6 @@ def _set_counters(observers: Any, kept: Mapping[str, Any]) -> None:
                 setattr(guard, key, kept[key])
 
 
-def _short(batches: list[list[int]], most: int = 8) -> str:
+def _batch_list(batches: list[list[int]], most: int = 8) -> str:
     text = ", ".join(f"({e}, {b})" for e, b in batches[:most])
     return text + (f" and {len(batches) - most} more" if len(batches) > most else "") if batches else "none"

@@ -18,8 +18,8 @@ from conftest import config, helpers_path, read_jsonl, run_cli
 
 from hookexp.config import RollbackConfig
 from hookexp.errors import ConfigError, RollbackLimitError
-from hookexp.run.loop import train
-from hookexp.run.replay import replay
+from hookexp.run.loop import run_job as train
+from hookexp.run.replay import ReplayOptions, replay
 
 DATA = ["model=mlp", "model.width=64", "model.input_dim=16", "model.output_dim=4",
         "data.dataset._target_=poisoned.make", "+data.dataset.poison=[23,24]", "~data.dataset.val_fraction",
@@ -172,8 +172,6 @@ def test_rollback_settings_are_checked_with_the_key_and_the_fix(tmp_path):
     assert str(bad.value) == "guard.rollback.keep: must be a whole number of at least 1, got 0."
 
 
-@pytest.mark.xfail(reason="needs the spike recorder to judge every step (stats.every sets only what is logged)",
-                   strict=False)
 def test_rollback_at_the_default_cadence_skips_the_poisoned_batches(tmp_path):
     """stats.every=10 and guard.rollback's defaults: the spike at step 23 is seen at once, not at the log step."""
     summary = run(tmp_path / "default", "guard.spike.metric=train/loss", "guard.spike.action=rollback")
@@ -203,19 +201,22 @@ def test_a_compiled_run_rolls_back_to_the_same_result_as_an_eager_one(runs, tmp_
 
 
 def test_replay_at_the_runs_own_cadence_compares_its_multi_step_log_lines(tmp_path):
-    """stats.every=10: the spike's line (step 30) describes steps 21-30. A replay at stats.every=1 compares only
-    the single-step lines of the spike's window; one at the run's cadence (every=None) compares that line too."""
+    """stats.every=10: the spike is judged at its own step, and its row goes out with the next log line, which
+    describes several steps. A replay at stats.every=1 compares only the single-step lines after it; one at the
+    run's cadence (every=None) compares that multi-step line too."""
     summary = run(tmp_path / "run", "guard.spike.metric=train/loss", "guard.spike.window=2")
     assert summary["guard/spikes"] >= 1
     (spike, *_) = read_jsonl(tmp_path / "run" / "spikes.jsonl")
-    assert spike["trainer/step"] == 30 and [s["step"] for s in spike["steps"]] == list(range(21, 31))
-    fine = replay(tmp_path / "run", 30, out=tmp_path / "fine", quiet=True)
-    assert fine["reproduced"] and {v["step"] for v in fine["values"]} == {31, 32}
-    assert {"step": 30, "steps": 10} in fine["periods_not_compared"]
-    same = replay(tmp_path / "run", 30, out=tmp_path / "same", every=None, quiet=True)
-    assert same["reproduced"] and {v["step"] for v in same["values"]} >= {30, 31, 32}
-    (line,) = [v for v in same["values"] if v["step"] == 30]
-    assert line["logged"] == line["replayed"] == spike["value"]
+    steps = [s["step"] for s in spike["steps"]]
+    logged = steps[-1]  # the log step that wrote the spike's row: it describes all of these steps
+    assert spike["trainer/step"] in steps and len(steps) > 1 and logged % 10 != 0  # judged between log steps
+    fine = replay(tmp_path / "run", logged, ReplayOptions(out=tmp_path / "fine", quiet=True))
+    assert fine["reproduced"] and {v["step"] for v in fine["values"]} == {logged + 1, logged + 2}
+    assert {"step": logged, "steps": len(steps)} in fine["periods_not_compared"]
+    same = replay(tmp_path / "run", logged, ReplayOptions(out=tmp_path / "same", every=None, quiet=True))
+    assert same["reproduced"] and {v["step"] for v in same["values"]} >= {logged, logged + 1, logged + 2}
+    (line,) = [v for v in same["values"] if v["step"] == logged]
+    assert line["logged"] == line["replayed"]
 
 
 def test_replay_main_exits_0_when_reproduced_and_2_with_one_paragraph_when_there_is_no_checkpoint(runs, capsys):
