@@ -7,7 +7,18 @@ steps; ``guard`` is the non-finite guard and ``spike`` the spike recorder; ``wat
 training loop (:func:`hookexp.watch`).
 """
 
-from hookexp.telemetry.readback import Decode, Pending, Producer, read, wide_dtype
-from hookexp.telemetry.stats import STATS, TensorStats, bin_edges
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"read": "readback", "wide_dtype": "readback", "Decode": "readback", "Pending": "readback",
+         "Producer": "readback", "STATS": "stats", "TensorStats": "stats", "bin_edges": "stats"}
 
 __all__ = ["STATS", "Decode", "Pending", "Producer", "TensorStats", "bin_edges", "read", "wide_dtype"]
+
+
+def __getattr__(name: str) -> Any:  # lazily: hookexp.telemetry.settings (the config schema's) imports no torch
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"hookexp.telemetry.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'hookexp.telemetry' has no attribute {name!r}")

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookexp.config import ForensicsConfig
 from hookexp.telemetry.observer import Observer
+from hookexp.telemetry.settings import ForensicsConfig
 
 MISSING = -1.0  # a norm not recorded at that step (norms are >= 0; NaN and Inf mean non-finite)
 GAP = 0  # normal steps inside one abnormal run (see _onset): none, an early-training trend is no part of it

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from hookexp.config import SpikeConfig
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.observer import Observer
+from hookexp.telemetry.settings import SpikeConfig
 
 WARMUP = 5  # values in the window before the first judgement (a spike at step 25 of a run is seen)
 GRAD_NORMS = ("grad/global_norm", "grad/pre_clip_norm")  # both: the gradients' norm before any clip

@@ -45,13 +45,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookexp.config import ForensicsConfig, SpikeConfig
 from hookexp.errors import ConfigError, did_you_mean
 from hookexp.telemetry.forensics import Forensics, Report, draw
 from hookexp.telemetry.gns import GradientNoiseScale
 from hookexp.telemetry.observer import Observer, Observers
 from hookexp.telemetry.probes import HookEffects, Probes
 from hookexp.telemetry.readback import split_histograms
+from hookexp.telemetry.settings import ForensicsConfig, SpikeConfig
 from hookexp.telemetry.spike import SpikeRecorder
 
 Log = Callable[[dict[str, Any], int], Any]
