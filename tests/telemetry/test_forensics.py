@@ -507,3 +507,21 @@ def test_trainer_compile_with_forensics_and_spikes_breaks_no_graph_and_recompile
     assert summary["status"] == "finished" and dict(counters["graph_break"]) == {}
     reasons = [str(r) for failures in guard_failures.values() for r in failures]
     assert reasons and all("grad_mode" in r or "tensor 'args[0]' size mismatch at index 0" in r for r in reasons)
+
+
+def test_watch_at_its_default_cadence_sees_the_spike_at_its_step_between_log_steps(tmp_path: Path):
+    """watch(every=10): the gradients' norm is judged every step, so the x50 at step 25 is the spike, named."""
+    net = mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    boom = {"boom": {**SCALE_FC2["boom"], "start_step": BETWEEN, "end_step": BETWEEN + 1}}
+    logged: list[int] = []
+    with hookexp.watch(net, opt, hooks=boom, spike={"metric": "grad/global_norm"}, forensics_dir=tmp_path,
+                       log=lambda metrics, step: logged.append(step)) as w:
+        for x, y in batches(BETWEEN + 4):
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    (spike,) = w.spikes
+    assert spike["trainer/step"] == spike["onset"] == BETWEEN and spike["first"][0]["target"] == "fc2"
+    assert logged == [0, 10, 20, BETWEEN + 1, BETWEEN + 2, BETWEEN + 3]  # every step after the spike
+    assert (tmp_path / f"step_{BETWEEN}.png").exists()

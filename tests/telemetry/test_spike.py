@@ -94,3 +94,21 @@ def test_bad_spike_settings_name_their_key():
         SpikeRecorder(SpikeConfig(metric="m", record=["recc"]), record_specs=["rec"], specs=["rec", "clamp"])
     with pytest.raises(ConfigError, match=r"'clamp' cannot be recorded on a spike: its transform is not 'record'"):
         SpikeRecorder(SpikeConfig(metric="m", record=["clamp"]), record_specs=["rec"], specs=["rec", "clamp"])
+
+
+def test_the_recorder_judges_from_its_fifth_value_not_a_full_window():
+    rec = SpikeRecorder(SpikeConfig(metric="m"))  # window 20
+    assert [rec.observe({"m": v}, s) for s, v in enumerate([2.0, 1.9, 1.8, 1.9, 1.7])] == [None] * 5
+    spike = rec.observe({"m": 9.0}, 5)
+    assert (spike.step, spike.value, spike.median, spike.onset) == (5, 9.0, 1.9, None)
+
+
+def test_poisoned_inputs_early_in_a_run_are_a_spike_at_their_step(tmp_path: Path):
+    """Two batches' inputs x1000 at steps 7-8 of an MLP, at the defaults (stats.every=10, window 20): the spike is
+    the poisoned step, named by forensics, not a log step 20 steps later."""
+    poison = "+hooks.poison={target: fc1, kind: forward_pre, transform: scale, args: {factor: 1000.0}, " \
+             "start_step: 7, end_step: 9}"
+    summary = train(config("model=mlp", "trainer.max_steps=12", "guard.spike.metric=train/loss", poison), tmp_path)
+    (spike,) = read_jsonl(tmp_path / "spikes.jsonl")
+    assert spike["trainer/step"] == spike["onset"] == 7 and summary["guard/spikes"] == 1
+    assert spike["first"][0]["target"] == "fc1" and spike["first"][0]["input"] == "abnormal"  # the data itself
