@@ -24,6 +24,11 @@ class Shards:
         return t
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (a view); a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
 def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Shards | None]:
     """A DTensor's local shard (a view: writing it writes the DTensor) and its shard groups; a plain tensor as is."""
     placements = getattr(t, "placements", None)

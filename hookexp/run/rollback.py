@@ -135,7 +135,7 @@ class Rollback:
             guard.rollback_step = None
         event = None
         if nonfinite is not None and self.on_nonfinite:
-            event = Event(nonfinite, _onset(getattr(guard, "event", None), nonfinite), "non-finite")
+            event = Event(nonfinite, _event_onset(getattr(guard, "event", None), nonfinite), "non-finite")
         elif spike is not None:
             event = Event(spike.step, self._spike_onset(spike), f"spike of {spike.metric}")
         if event is None:
@@ -339,7 +339,7 @@ def _repause_records(spike: Any, step: int) -> None:
         hooks.pause(record)
 
 
-def _onset(event: Any, fallback: int) -> int:
+def _event_onset(event: Any, fallback: int) -> int:
     onset = getattr(event, "onset", None)
     return fallback if onset is None else int(onset)
 

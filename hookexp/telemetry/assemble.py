@@ -117,8 +117,7 @@ def _spike_recorder(model: torch.nn.Module, guard: GuardConfig, wiring: Wiring, 
     rows = wiring.hooks.table() if wiring.hooks is not None else []
     per_step = wiring.ranks is None or not wiring.ranks.enabled  # the ranks' step values differ: judged on log steps
     return SpikeRecorder(guard.spike, model if per_step else None, wiring.meter if per_step else None,
-                         metrics=watchable, record_specs=[r["spec"] for r in rows if r["transform"] == "record"
-                                                          and r["enabled"]], specs=[r["spec"] for r in rows])
+                         metrics=watchable, specs=rows)
 
 
 def _forensics(model: torch.nn.Module, optimizer: Any, guard: GuardConfig) -> Forensics:
@@ -129,9 +128,12 @@ def _forensics(model: torch.nn.Module, optimizer: Any, guard: GuardConfig) -> Fo
 def _nonfinite(model: torch.nn.Module, guard: GuardConfig, wiring: Wiring) -> NonFiniteGuard:
     """``guard.nan_policy``: the one call of :class:`NonFiniteGuard`."""
     ranks = wiring.ranks
-    agree = ranks.all_true if ranks is not None and ranks.sharded and ranks.enabled else None
-    return NonFiniteGuard(guard.nan_policy, model, hooks_touching(wiring.hooks) if wiring.hooks is not None else None,
-                          wiring.device, check_grads=not wiring.grads_scaled, agree=agree)
+    nonfinite = NonFiniteGuard(guard.nan_policy, model, wiring.device, check_grads=not wiring.grads_scaled)
+    if wiring.hooks is not None:
+        nonfinite.touching = hooks_touching(wiring.hooks)
+    if ranks is not None and ranks.sharded and ranks.enabled:
+        nonfinite.agree = ranks.all_true
+    return nonfinite
 
 
 def build_observers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stats: StatsConfig,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hookexp.config import ForensicsConfig
+from hookexp.engine.shards import local_part
 from hookexp.telemetry.observer import Observer
 
 MISSING = -1.0  # a norm not recorded at that step (norms are >= 0; NaN and Inf mean non-finite)
@@ -29,7 +30,7 @@ FLOOR = 0.05  # the least spread of log(norm) a z-score divides by: a change und
 
 
 @dataclass(frozen=True)
-class Target:
+class Series:
     name: str  # a module or parameter name, as named_modules() / named_parameters() give it
     family: str  # output | grad | <optimizer state key, e.g. exp_avg> | update | weight
 
@@ -45,7 +46,7 @@ class Report:
     first: list[dict[str, Any]]
     ranked: list[dict[str, Any]] = field(default_factory=list)  # every target that left its range, first first
     steps: list[int] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
+    targets: list[Series] = field(default_factory=list)
     z: np.ndarray | None = None
 
     @property
@@ -68,16 +69,13 @@ def _first_float_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
-
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """One float32 norm per tensor: one multi-tensor kernel."""
     if not tensors:
         return []
     with torch.no_grad():
-        return list(torch._foreach_norm([_local(t) for t in tensors], 2, dtype=torch.float32))
+        return list(torch._foreach_norm([local_part(t) for t in tensors], 2, dtype=torch.float32))
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -110,7 +108,7 @@ class Forensics(Observer):
         self.handles += [m.register_forward_pre_hook(self._flush) for _, m in self.modules
                          if getattr(m, "inplace", False) is True]
         self.handles.append(model.register_forward_hook(self._forward_end))  # one kernel for all its tensors
-        self.layout: list[Target] | None = None  # the buffer's columns, fixed at the first recorded step
+        self.layout: list[Series] | None = None  # the buffer's columns, fixed at the first recorded step
         self.out_modules: list[int] = []  # module indices in column order
         self.state_keys: list[str] = []
         self.families: list[str] = []
@@ -186,7 +184,7 @@ class Forensics(Observer):
             return
         self._grad_norms()
         if self.track_updates:
-            weights = [_local(p.detach()) for _, p in self.params]
+            weights = [local_part(p.detach()) for _, p in self.params]
             if self._before is None:
                 self._before = [torch.empty_like(w) for w in weights]
             torch._foreach_copy_(self._before, weights)
@@ -198,7 +196,7 @@ class Forensics(Observer):
         tensors: list[torch.Tensor] = list(params)  # normed under no_grad: no detach (an op each)
         families = ["weight"]
         if self.track_updates and self._before is not None:
-            torch._foreach_sub_(self._before, [_local(p.detach()) for p in params])  # before - after: the update
+            torch._foreach_sub_(self._before, [local_part(p.detach()) for p in params])  # before - after: the update
             tensors += self._before
             families.append("update")
         states = [self.optimizer.state.get(p, {}) for p in params] if self.optimizer is not None else []
@@ -239,10 +237,10 @@ class Forensics(Observer):
         # gradients arrive in backward order: the parameters of the modules that ran last first
         self.grad_order = sorted(range(len(self.params)), key=lambda k: -forward_pos(self.params[k][0]))
         self.families = [*self.state_keys, *(["update"] if "update" in self._after_families else []), "weight"]
-        layout = [Target(self.modules[i][0], "output") for i in order]
-        layout += [Target(self.params[k][0], "grad") for k in self.grad_order]
+        layout = [Series(self.modules[i][0], "output") for i in order]
+        layout += [Series(self.params[k][0], "grad") for k in self.grad_order]
         for family in self.families:
-            layout += [Target(name, family) for name, _ in self.params]
+            layout += [Series(name, family) for name, _ in self.params]
         self.layout = layout
 
     def _commit(self) -> None:

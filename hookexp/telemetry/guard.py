@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookexp.engine.shards import local_part
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.telemetry.observer import Observer
 from hookexp.telemetry.spike import Deferred
@@ -26,14 +27,11 @@ log = logging.getLogger("hookexp.guard")
 POLICIES = ("raise", "skip_step", "warn", "off", "rollback")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
-
 
 def all_finite(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool on the device: the loss and every gradient are finite (by their largest magnitude)."""
     parts = [] if loss is None else [loss.detach().float().reshape(1)]
-    local = [_local(g) for g in grads if g is not None and g.numel()]
+    local = [local_part(g) for g in grads if g is not None and g.numel()]
     if local:
         parts.append(torch.stack(torch._foreach_norm(local, float("inf"))).float())
     return torch.cat(parts).isfinite().all() if parts else torch.ones((), dtype=torch.bool)
@@ -52,18 +50,17 @@ class NonFiniteGuard(Observer):
     """The guard (module docstring), an :class:`~hookexp.telemetry.observer.Observer`: ``allow_update`` decides,
     ``pending`` reads a deferred first bad step on the log step."""
 
-    def __init__(self, policy: str, model: nn.Module, touching: Callable[[list[str]], list[str]] | None = None,
-                 device: torch.device | None = None, check_grads: bool = True,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, policy: str, model: nn.Module, device: torch.device | None = None, check_grads: bool = True):
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}. Use one of: {', '.join(POLICIES)}.", key="guard.nan_policy")
         self.policy = policy
         self.model = model
-        self.touching = touching or (lambda params: [])
+        # the specs whose targets own these parameters (the builder sets it from the hooks), for the error
+        self.touching: Callable[[list[str]], list[str]] = lambda params: []
         self.check_grads = check_grads  # False under fp16: the GradScaler itself skips overflowing steps
         # FSDP: each rank sees its own shards; agree() makes the answer every rank's (else one rank raises or
         # skips alone and the others wait for it in the next collective)
-        self.agree = agree
+        self.agree: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.sync = device is None or device.type == "cpu" or policy in ("skip_step", "rollback")
         self.rollback_step: int | None = None  # rollback: the non-finite step the trainer rolls back from
         self.skipped = 0
@@ -135,8 +132,8 @@ class NonFiniteGuard(Observer):
         values: list[str] = []
         grads: list[str] = []
         for name, p in self.model.named_parameters():
-            grad_bad = p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
-            if not bool(torch.isfinite(_local(p.detach())).all()):
+            grad_bad = p.grad is not None and not bool(torch.isfinite(local_part(p.grad)).all())
+            if not bool(torch.isfinite(local_part(p.detach())).all()):
                 values.append(f"{name} (value{' and gradient' if grad_bad else ''})")
             elif grad_bad:
                 grads.append(f"{name} (gradient)")

@@ -89,13 +89,13 @@ class SpikeRecorder(Observer):
     """The spike recorder (module docstring). ``model``: whose gradients give the grad norms; ``meter``: the
     :class:`~hookexp.telemetry.meter.TrainMeter` whose step sums give ``train/<metric>``; without them (or under
     DDP, where the builder passes neither) the metric is judged on the log steps. ``metrics``: what the metric may
-    be (None: anything); ``record_specs``: the specs whose transform is ``record``, ``specs``: every spec."""
+    be (None: anything); ``specs``: the hook table's rows (:meth:`HookHandle.table`), whose enabled ``record``
+    specs ``guard.spike.record`` may name."""
 
     optional_state: ClassVar[bool] = True  # checkpoints written before the spike recorder have no state for it
 
     def __init__(self, config: SpikeConfig | None = None, model: torch.nn.Module | None = None, meter: Any = None,
-                 metrics: Sequence[str] | None = None, record_specs: Sequence[str] = (),
-                 specs: Sequence[str] = ()):
+                 metrics: Sequence[str] | None = None, specs: Sequence[Mapping[str, Any]] = ()):
         config = config if config is not None else SpikeConfig()
         self.config = config
         self.metric, self.window, self.threshold = config.metric, config.window, config.threshold
@@ -105,9 +105,11 @@ class SpikeRecorder(Observer):
             raise ConfigError(f"{self.metric!r} is not a metric every log step of this run gives alike on every "
                               f"rank.{did_you_mean(self.metric, list(metrics))} Use one of: {', '.join(metrics)}.",
                               key="guard.spike.metric")
+        record_specs = [r["spec"] for r in specs if r["transform"] == "record" and r["enabled"]]
+        names = [r["spec"] for r in specs]
         for name in self.record:
             if name not in record_specs:
-                why = ("it is not a hook spec of this run" + did_you_mean(name, list(specs)) if name not in specs
+                why = ("it is not a hook spec of this run" + did_you_mean(name, names) if name not in names
                        else "its transform is not 'record'")
                 raise ConfigError(f"{name!r} cannot be recorded on a spike: {why}. Name specs with transform: record "
                                   f"(this run's: {', '.join(record_specs) or 'none'}).", key="guard.spike.record")

@@ -21,7 +21,7 @@ import hookexp
 from hookexp.config import ForensicsConfig
 from hookexp.errors import ConfigError, NonFiniteError
 from hookexp.run.loop import run_job as train
-from hookexp.telemetry.forensics import Forensics, Target, draw
+from hookexp.telemetry.forensics import Forensics, Series, draw
 from hookexp.telemetry.observer import Observers
 
 AT = 30  # the step the anomaly is injected at
@@ -136,19 +136,19 @@ def test_the_buffer_holds_what_plain_torch_gives():
         before = {n: p.detach().clone() for n, p in params.items()}
         opt.step()
         rms = lambda t: t.norm() / math.sqrt(t.numel())  # noqa: E731
-        row = {Target("a", "output"): rms(a), Target("b", "output"): rms(out)}
-        row.update({Target(n, "grad"): g for n, g in grads.items()})
+        row = {Series("a", "output"): rms(a), Series("b", "output"): rms(out)}
+        row.update({Series(n, "grad"): g for n, g in grads.items()})
         for n, p in params.items():
-            row[Target(n, "exp_avg")] = opt.state[p]["exp_avg"].norm()
-            row[Target(n, "exp_avg_sq")] = opt.state[p]["exp_avg_sq"].norm()
-            row[Target(n, "update")] = (before[n] - p.detach()).norm()
-            row[Target(n, "weight")] = p.detach().norm()
+            row[Series(n, "exp_avg")] = opt.state[p]["exp_avg"].norm()
+            row[Series(n, "exp_avg_sq")] = opt.state[p]["exp_avg_sq"].norm()
+            row[Series(n, "update")] = (before[n] - p.detach()).norm()
+            row[Series(n, "weight")] = p.detach().norm()
         want.append((row, {"a": rms(x), "b": rms(torch.relu(a))}))
         opt.zero_grad()
         observers.end(step)
-    assert forensics.layout[:2] == [Target("a", "output"), Target("b", "output")]
+    assert forensics.layout[:2] == [Series("a", "output"), Series("b", "output")]
     # gradients in backward order: b's parameters first
-    assert forensics.layout[2:6] == [Target(n, "grad") for n in ("b.weight", "b.bias", "a.weight", "a.bias")]
+    assert forensics.layout[2:6] == [Series(n, "grad") for n in ("b.weight", "b.bias", "a.weight", "a.bias")]
     steps, norms, ins = forensics.history()
     assert steps == [0, 1, 2]
     for k, (row, inputs) in enumerate(want):
@@ -345,7 +345,7 @@ def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
     observers.end(0)
     _, norms, ins = forensics.history()
     rms = lambda t: float(t.norm() / math.sqrt(t.numel()))  # noqa: E731
-    assert forensics.layout[:3] == [Target(m, "output") for m in ("fc", "relu", "out")]
+    assert forensics.layout[:3] == [Series(m, "output") for m in ("fc", "relu", "out")]
     assert norms[0, :2].tolist() == pytest.approx([rms(h), rms(h.relu())], rel=1e-6)
     assert ins[0].tolist() == pytest.approx([rms(x), rms(h), rms(h.relu())], rel=1e-6)  # relu's input as it came
     observers.close()

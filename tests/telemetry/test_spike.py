@@ -19,6 +19,10 @@ SPIKE = ["guard.spike.metric=train/loss", "guard.spike.window=2", "guard.spike.t
          "+hooks.boom={target:fc2,kind:forward,transform:{_target_:user_transforms.spike_at,step:13}}"]
 
 
+SPECS = [{"spec": "rec", "transform": "record", "enabled": True},
+         {"spec": "clamp", "transform": "clamp", "enabled": True}]  # the hook table's rows
+
+
 @pytest.fixture(autouse=True)
 def user_transforms(monkeypatch):
     monkeypatch.syspath_prepend(str(HELPERS))
@@ -91,9 +95,9 @@ def test_bad_spike_settings_name_their_key():
             SpikeConfig(metric="m", window=window)
     with pytest.raises(ConfigError, match=r"^guard\.spike\.record: 'recc' cannot be recorded on a spike: it is not a "
                                           r"hook spec of this run.*Did you mean 'rec'"):
-        SpikeRecorder(SpikeConfig(metric="m", record=["recc"]), record_specs=["rec"], specs=["rec", "clamp"])
+        SpikeRecorder(SpikeConfig(metric="m", record=["recc"]), specs=SPECS)
     with pytest.raises(ConfigError, match=r"'clamp' cannot be recorded on a spike: its transform is not 'record'"):
-        SpikeRecorder(SpikeConfig(metric="m", record=["clamp"]), record_specs=["rec"], specs=["rec", "clamp"])
+        SpikeRecorder(SpikeConfig(metric="m", record=["clamp"]), specs=SPECS)
 
 
 def test_the_recorder_judges_from_its_fifth_value_not_a_full_window():
