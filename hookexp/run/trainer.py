@@ -157,8 +157,9 @@ class Trainer:
                 with self.amp.autocast():
                     output = task.forward(self.forward, batch)
                     loss = task.loss(output, batch)
-                self.amp.backward(loss / micro)
-            self.meter.add(*task.sums(output, batch, loss))
+                self.amp.backward(loss / micro if micro > 1 else loss)  # no division (2 ops) for one
+            with torch.no_grad():  # the metric sums make no graph (Task.sums)
+                self.meter.add(*task.sums(output, batch, loss))
             taken += 1
         if not taken and not loop.batch:
             raise ConfigError("the training set gave no batch in a whole epoch (an empty data set, or an iterable "
