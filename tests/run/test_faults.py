@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, config, helpers_path, read_jsonl, wandb_summary
+from conftest import FORENSICS_ON, HELPERS, config, helpers_path, read_jsonl, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.loop import train
@@ -100,7 +100,8 @@ def test_a_nan_never_replaces_the_last_good_checkpoint(tmp_path):
 def test_resuming_from_the_final_checkpoint_writes_the_final_summary(tmp_path):
     """Issue 20.2: killed after the last checkpoint, during the shutdown: the resumed run neither drops the last
     validation line nor writes stale values."""
-    args = ["trainer.max_steps=12", "trainer.checkpoint_every=6", "stats.every=4"]
+    # the fault runner trains with the default forensics: the in-process resume must too
+    args = ["trainer.max_steps=12", "trainer.checkpoint_every=6", "stats.every=4", FORENSICS_ON]
     killed = fault(tmp_path, "kill_in_shutdown", *args, "logger=none", "hydra.run.dir=cut")
     assert killed.returncode == -9 and not (tmp_path / "cut" / "summary.json").exists()
     train(config(*args), tmp_path / "straight")
@@ -136,7 +137,8 @@ def fault(cwd: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_is_removed(tmp_path):
     """Issues 20.13 and the atomic write: the second checkpoint is torn by a kill; resume takes the first."""
-    args = ["trainer.max_steps=30", "trainer.checkpoint_every=10", "stats.every=5"]
+    # the fault runner trains with the default forensics: the in-process resume must too
+    args = ["trainer.max_steps=30", "trainer.checkpoint_every=10", "stats.every=5", FORENSICS_ON]
     killed = fault(tmp_path, "kill_in_checkpoint:2", *args, "logger=none", "hydra.run.dir=cut")
     assert killed.returncode == -9
     checkpoints = tmp_path / "cut" / "checkpoints"
@@ -149,7 +151,8 @@ def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_i
 
 
 def test_a_kill_inside_a_metrics_write_leaves_whole_lines_and_resume_cuts_back_to_the_checkpoint(tmp_path):
-    args = ["trainer.max_steps=30", "trainer.checkpoint_every=8", "stats.every=1"]
+    # the fault runner trains with the default forensics: the in-process resume must too
+    args = ["trainer.max_steps=30", "trainer.checkpoint_every=8", "stats.every=1", FORENSICS_ON]
     killed = fault(tmp_path, "kill_in_metrics:3", *args, "logger=none", "hydra.run.dir=cut")  # the 3rd flush
     assert killed.returncode == -9
     assert not (tmp_path / "cut" / "metrics.jsonl").read_bytes().endswith(b"\n")  # torn, as a kill leaves it
