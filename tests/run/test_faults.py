@@ -121,6 +121,7 @@ def test_sigterm_during_shutdown_does_not_cut_it(tmp_path):
     assert wandb["summary"]["val/acc"] == summary["val/acc"]
 
 
+@pytest.mark.slow  # a child process, ~25 s on a loaded 2-core machine; SIGTERM in the shutdown stays fast
 def test_sigterm_just_after_the_run_finished_exits_0(tmp_path):
     """Issue 27.18: the signal comes as the run logs "finished"; the run is finished and exits 0."""
     done = fault(tmp_path, "term_after_finish", "trainer.max_steps=3", "logger=none", "hydra.run.dir=run")
@@ -150,6 +151,7 @@ def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_i
     same_results(tmp_path / "straight", tmp_path / "cut")
 
 
+@pytest.mark.slow  # three runs, one a child; a kill inside a checkpoint write stays fast
 def test_a_kill_inside_a_metrics_write_leaves_whole_lines_and_resume_cuts_back_to_the_checkpoint(tmp_path):
     # the fault runner trains with the default forensics: the in-process resume must too
     args = ["trainer.max_steps=30", "trainer.checkpoint_every=8", "stats.every=1", FORENSICS_ON]
@@ -196,6 +198,7 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_o
     assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
 
 
+@pytest.mark.slow  # a child process; a full disk while writing metrics stays fast
 def test_a_disk_full_inside_a_checkpoint_write_is_one_paragraph_and_keeps_the_last_checkpoint(tmp_path):
     """Issue 27.14: ENOSPC inside torch.save (torch wraps it in a RuntimeError) on the 2nd checkpoint (step 4)."""
     done = fault(tmp_path, "enospc_in_checkpoint:2", "trainer.max_steps=6", "trainer.checkpoint_every=2",
