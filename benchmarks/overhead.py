@@ -51,6 +51,8 @@ The default set is issue 19's (a, b, c, d0, d, d_all, a_wb, w, e); ``--cases all
          trainer.accumulate=2: a norm per parameter per micro-batch on every step, logged every 10 steps
   b_fsdp b with trainer.strategy=fsdp in a process group of one rank, made in this process by the trainer
          (nccl on CUDA, gloo on the CPU): what FSDP2's sharding machinery costs with nothing to shard across
+  a_fsdp the hand loop on the same FSDP2-sharded model (fully_shard as the trainer's build does it, one rank):
+         b_fsdp/a_fsdp is hookexp's own price under FSDP
   d_fsdp d with trainer.strategy=fsdp: the statistics of sharded (DTensor) parameters, against b_fsdp
   b_nofx b with first-divergence forensics off (guard.forensics.window=0); b has it on, as every run with the
          guard: b/b_nofx is what the forensics ring buffer costs
@@ -92,6 +94,7 @@ from hydra import compose, initialize_config_module
 
 import hookexp
 from hookexp import attach
+from hookexp.run import distributed
 from hookexp.run.build import build, pick_device
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import to_device
@@ -155,13 +158,30 @@ Setup = Callable[..., Callable[[], object] | None]  # setup(model, optimizer, ru
 NO_HOOKS = SimpleNamespace(bindings=())  # what MixedPrecision reads of the trainer's hooks: none in a hand loop
 
 
-def hand_loop(model_overrides: list[str], steps: int, setup: Setup | None = None, log_loss: bool = False) -> float:
+def hand_loop(model_overrides: list[str], steps: int, setup: Setup | None = None, log_loss: bool = False,
+              fsdp: bool = False) -> float:
     """Seconds per step of a minimal loop over what ``build`` makes of the config (the trainer's data, model,
     optimizer and task); ``setup(model, opt, run)`` attaches hooks or watches; ``log_loss`` logs the loss to a
-    W&B offline run (``run``) every step."""
+    W&B offline run (``run``) every step; ``fsdp``: the model sharded by FSDP2 (``fully_shard``, as
+    ``trainer.strategy=fsdp`` shards it) in a process group of one rank made here (nccl on CUDA, gloo on the
+    CPU): the hand loop that ``b_fsdp`` is compared with."""
+    if fsdp:
+        cfg = compose_cfg([*model_overrides, *FSDP])
+        device = pick_device(cfg.trainer.device)
+        ranks = distributed.setup(device, "fsdp")
+        try:
+            device = ranks.place(device)
+            parts = build(cfg, ranks, device)  # fully_shard, as the trainer's run is built
+            return _hand_steps(cfg, parts, device, steps, setup, log_loss)
+        finally:
+            distributed.teardown(ranks)
     cfg = compose_cfg(model_overrides)
     device = pick_device(cfg.trainer.device)
     parts = build(cfg, Dist(), device)
+    return _hand_steps(cfg, parts, device, steps, setup, log_loss)
+
+
+def _hand_steps(cfg, parts, device: torch.device, steps: int, setup: Setup | None, log_loss: bool) -> float:
     model, opt, task = parts.model, parts.optimizer, parts.task
     amp = MixedPrecision(cfg.trainer.precision, device, NO_HOOKS)  # the trainer's autocast (and fp16 scaler)
     run = wandb_run() if log_loss else None
@@ -268,6 +288,7 @@ def cases(bench: Bench, model: list[str], steps: int) -> dict[str, Callable[[], 
         "b2": lambda n: trainer_loop(model, n, [*STATS_OFF, "trainer.accumulate=2"]),
         "gns": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=10", "trainer.accumulate=2",
                                                  "stats.gns=true", *groups]),
+        "a_fsdp": lambda n: hand_loop(model, n, fsdp=True),
         "b_fsdp": lambda n: trainer_loop(model, n, [*STATS_OFF, *FSDP]),
         "d_fsdp": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=10", *FSDP]),
         "b_nofx": lambda n: trainer_loop(model, n, [*STATS_OFF, "guard.forensics.window=0"]),
@@ -306,7 +327,8 @@ COLUMNS = [ratio("b", "a"), ratio("c", "b"), ratio("c_g", "b"), ratio("c_x", "b"
            ratio("d_all", "b"), ratio("c_wb", "b"), ratio("w", "a_wb"), ratio("e", "a_wb"),
            Column("w/e ovh", ("w", "e", "a_wb"), watch_vs_wandb, watch_vs_wandb_medians), ratio("f", "a_wb"),
            ratio("e", "c"), ratio("g_grad", "a"), ratio("g_pre", "a"), ratio("g_hand", "a"),
-           ratio("g_pre", "g_hand"), ratio("gns", "b2"), ratio("b_fsdp", "b"), ratio("d_fsdp", "b_fsdp"),
+           ratio("g_pre", "g_hand"), ratio("gns", "b2"), ratio("b_fsdp", "b"), ratio("b_fsdp", "a_fsdp"),
+           ratio("d_fsdp", "b_fsdp"),
            ratio("b", "b_nofx")]
 
 

@@ -33,13 +33,20 @@ def hydra_conf():
         yield
 
 
+# The first-divergence forensics buffer (guard.forensics, on by default) costs a few norms a step: about a fifth of
+# the in-process tests' training time on this CPU. Tests that are not about it train without it; those that are
+# (tests/telemetry/test_forensics.py, tests/run/test_cuda.py, the CLI tests) name it or keep the default.
+FORENSICS_ON = "guard.forensics.window=32"
+
+
 def config(*overrides: str):
-    """The config ``python -m hookexp OVERRIDES`` composes, with W&B off and no progress bar: what the tests train
-    in process with :func:`hookexp.run.loop.run_job`."""
+    """The config ``python -m hookexp OVERRIDES`` composes, with W&B off, no progress bar and no forensics buffer
+    (``FORENSICS_ON`` turns it back on): what the tests train in process with :func:`hookexp.run.loop.run_job`."""
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        return compose("config", overrides=["logger=none", "trainer.progress=false", *overrides])
+        return compose("config", overrides=["logger=none", "trainer.progress=false", "guard.forensics.window=0",
+                                            *overrides])
 
 
 def helpers_path() -> str:

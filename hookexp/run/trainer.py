@@ -89,6 +89,8 @@ class Trainer:
             self.observers = trainer_observers(cfg, parts, self.hooks, self.amp.scaler)
             self.meter, self.guard, self.recorder = (self.observers.named[k] for k in ("meter", "guard", "spike"))
             self.forward = distributed.wrap(parts.model, cfg.trainer, parts.ranks, parts.device)
+            if "gns" in self.observers.named:  # its batch sizes measured outside the compiled graph
+                self.observers.named["gns"].count_calls_of(self.forward)
             self.records = Records(self.hooks, self.run_dir, enabled=main and cfg.trainer.save_records)
             self.local = LocalFiles(self.run_dir) if main else None
             ckpt.track(scheduler=parts.scheduler, scaler=self.amp, hooks=self.hooks, telemetry=self.observers,
@@ -193,8 +195,9 @@ class Trainer:
                 with self.amp.autocast():
                     output = task.forward(self.forward, batch)
                     loss = task.loss(output, batch)
-                self.amp.backward(loss / micro)
-            self.meter.add(*task.sums(output, batch, loss))
+                self.amp.backward(loss / micro if micro > 1 else loss)  # no division (2 ops) for one
+            with torch.no_grad():  # the metric sums make no graph (Task.sums)
+                self.meter.add(*task.sums(output, batch, loss))
             taken += 1
         if not taken and not loop.batch:
             raise no_batch()

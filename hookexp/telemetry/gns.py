@@ -76,8 +76,16 @@ class GradientNoiseScale(Observer):
         self._weight: torch.Tensor | None = None  # 2 x (1 + groups): 1 - ema^t (where every step was finite)
         self._valid = False  # whether a step has had two small batches or more
         self._handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
-        if batch_size is None:
-            self._handles.append(model.register_forward_pre_hook(self._count, with_kwargs=True))
+        self._counting = model.register_forward_pre_hook(self._count, with_kwargs=True) if batch_size is None \
+            else None
+
+    def count_calls_of(self, forward: Any) -> None:
+        """Measure the batch sizes on ``forward`` (the DDP or compiled wrapper of the model) instead of the model:
+        a hook outside the compiled graph, where appending to a list makes Dynamo guard on its length and
+        recompile for each micro-batch."""
+        if self._counting is not None and isinstance(forward, nn.Module):
+            self._counting.remove()
+            self._counting = forward.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -209,4 +217,7 @@ class GradientNoiseScale(Observer):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._counting is not None:
+            self._counting.remove()
+            self._counting = None
         self.start(0, False)

@@ -1,8 +1,9 @@
 """The task's training metrics between log steps, as sums on the device: no host sync on other steps.
 
-Each micro-batch adds its task's ``(sums, count)`` (:meth:`hookexp.workloads.tasks.Task.sums`) into one running
-tensor — one add per step. The log step takes that tensor with the other producers' values in one
-device-to-host copy (:meth:`TrainMeter.pending` gives the tensor and its decoder) and starts a new period.
+Each micro-batch adds its task's ``(sums, count)`` (:meth:`hookexp.workloads.tasks.Task.sums`) into two running
+tensors — two in-place adds a micro-batch, which also widen to float64 (no separate cast). The log step
+takes their row with the other producers' values in one device-to-host copy (:meth:`TrainMeter.pending`
+gives the row and its decoder) and starts a new period.
 Under DDP the sums are added over ranks there, in the one collective of the log step.
 """
 
@@ -35,15 +36,23 @@ class TrainMeter(Observer):
         self.device = device
         self.ranks = ranks or _OneProcess()
         self._dtype = wide_dtype(device)
-        self._totals = torch.zeros(len(self.names) + 1, dtype=self._dtype, device=device)  # sums..., count
+        self._sums = torch.zeros(len(self.names), dtype=self._dtype, device=device)
+        self._count = torch.zeros((), dtype=self._dtype, device=device)
 
-    def add(self, sums: torch.Tensor, count: torch.Tensor) -> None:
-        self._totals[:-1] += sums.detach().to(self._dtype)
-        self._totals[-1] += count.detach().to(self._dtype) if isinstance(count, torch.Tensor) else float(count)
+    @property
+    def totals(self) -> torch.Tensor:
+        """sums..., count: one row."""
+        return torch.cat([self._sums, self._count.reshape(1)])
+
+    @torch.no_grad()
+    def add(self, sums: torch.Tensor, count: torch.Tensor | float) -> None:
+        self._sums.add_(sums)  # float64 += float32: widened in the add, no copy first
+        self._count.add_(count)
 
     def pending(self) -> tuple[torch.Tensor, Decoder]:
         """The period's totals (summed over ranks under DDP) and the decoder of their host values; resets."""
-        totals, self._totals = self._totals, torch.zeros_like(self._totals)
+        totals = self.totals
+        self._sums, self._count = torch.zeros_like(self._sums), torch.zeros_like(self._count)
         if self.ranks.enabled:
             totals = self.ranks.sum(totals)
         return totals, self.decode
@@ -59,7 +68,7 @@ class TrainMeter(Observer):
 
     def state_dict(self) -> dict[str, Any]:
         """The period's sums of every rank (a row each: under DDP/FSDP each rank has summed its own batches)."""
-        totals = self._totals.detach().cpu()
+        totals = self.totals.detach().cpu()
         rows = self.ranks.gather(totals) if self.ranks.enabled else [totals]
         return {"totals": torch.stack(rows)}
 
@@ -72,4 +81,5 @@ class TrainMeter(Observer):
             mine = rows[self.ranks.rank]
         else:
             mine = rows.sum(dim=0) if self.ranks.is_main else torch.zeros_like(rows[0])
-        self._totals = mine.to(self.device, self._dtype).clone()
+        mine = mine.to(self.device, self._dtype).clone()
+        self._sums, self._count = mine[:-1].clone(), mine[-1].clone()

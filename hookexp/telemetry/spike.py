@@ -145,11 +145,11 @@ class SpikeRecorder(Observer):
     def start(self, step: int, log: bool) -> None:
         self.step = step
         if self.meter is not None:
-            self._mark = self.meter._totals.clone()  # the step's sums: the totals at its end less these
+            self._mark = self.meter.totals  # (a new tensor) the step's sums: the totals at its end less these
 
     def before_update(self) -> None:
         if self.meter is not None and self._mark is not None:
-            self.deferred.put(self.step, self.meter._totals - self._mark)
+            self.deferred.put(self.step, self.meter.totals - self._mark)
         elif self.params:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:

@@ -206,7 +206,7 @@ class Task:
         first = next(iter(self.inputs(batch)[1].values()), None)
         n = torch.full((), float(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1.0,
                        device=loss.device)  # a fill, not a host-to-device copy: no sync on a GPU
-        return (loss.detach().float() * n).reshape(1), n
+        return (loss.float() * n).reshape(1), n
 
     def target(self, batch: Any) -> torch.Tensor:
         """What the model should predict: ``labels`` of a mapping, or the last element of a tuple."""
@@ -228,9 +228,11 @@ class Task:
 
     def sums(self, output: Any, batch: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sums, count)``: one on-device value per ``metric_names`` summed over the batch's counted
-        items, and their number. The base counts examples and sums the loss alone."""
+        items, and their number. The base counts examples and sums the loss alone. Called under
+        ``torch.no_grad()`` (no ``detach`` needed), after the backward pass, on every micro-batch: each op
+        here is paid on every step."""
         n = self.count(batch)
-        return (loss.detach().float() * n).reshape(1), n
+        return (loss.float() * n).reshape(1), n
 
     def count(self, batch: Any) -> torch.Tensor:
         target = self.target(batch)
@@ -268,8 +270,8 @@ class Classification(Task):
     def sums(self, output: Any, batch: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, y = self._logits(output, batch)
         n = torch.full((), float(y.numel()), device=y.device)  # a fill, not a host-to-device copy: no sync
-        correct = (logits.detach().argmax(dim=-1) == y).sum()
-        return torch.stack([loss.detach().float() * n, correct.float()]), n
+        correct = (logits.argmax(dim=-1) == y).sum()
+        return torch.stack([loss.float() * n, correct]), n  # stack promotes the count to the loss's float
 
 
 class CausalLM(Task):
@@ -320,11 +322,17 @@ class CausalLM(Task):
         return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index)
 
     def sums(self, output: Any, batch: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, labels = self._pair(output, batch)
-        counted = labels != self.ignore_index
-        n = counted.sum().float()
-        correct = ((logits.detach().argmax(dim=-1) == labels) & counted).sum()
-        return torch.stack([loss.detach().float() * n, correct.float()]), n
+        logits = logits_of(output, self.name)
+        if logits.dim() != 3:
+            self._pair(output, batch)  # its error
+        labels = self.labels(batch)
+        # the predictions at [B, T-1] without the loss's flattened copy of the logits; an ignored position never
+        # counts as right when ignore_index is negative (no prediction equals it), so no mask is needed then
+        right = logits[:, :-1].argmax(dim=-1) == labels
+        if self.ignore_index >= 0:
+            right = right & (labels != self.ignore_index)
+        n = (labels != self.ignore_index).sum()
+        return torch.stack([loss.float() * n, right.sum()]), n
 
     def finish(self, means: dict[str, float]) -> dict[str, float]:
         loss = means["loss"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import config, read_jsonl
+from conftest import FORENSICS_ON, config, read_jsonl
 
 from hookexp.engine import HookHandle
 from hookexp.run.loop import run_job as train
@@ -55,7 +55,7 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     hooks = ["hooks=[clamp_conv,dead_relu_probe]", "+hooks.clip={target:'*',kind:pre_step,transform:clamp,"
              "args:{min:-0.01,max:0.01}}"]
     try:
-        summary = train(config(*hooks, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
+        summary = train(config(*hooks, FORENSICS_ON, "stats.every=7", "stats.activations=relu*", "stats.hist_bins=16",
                                "stats.params=*", "stats.updates=*", "stats.optimizer=*", r"stats.group_by='re:^conv\d'",
                                "trainer.max_steps=30", "guard.nan_policy=raise", "trainer.accumulate=2",
                                "stats.gns=true", "guard.spike.metric=train/loss", "guard.spike.threshold=1e3"),

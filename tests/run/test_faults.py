@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, config, helpers_path, read_jsonl, run_cli, wandb_summary
+from conftest import FORENSICS_ON, HELPERS, config, helpers_path, read_jsonl, run_cli, wandb_summary
 
 from hookexp.errors import CheckpointError, RunFilesError
 from hookexp.run.loop import run_job as train
@@ -100,7 +100,8 @@ def test_a_nan_never_replaces_the_last_good_checkpoint(tmp_path):
 def test_resuming_from_the_final_checkpoint_writes_the_final_summary(tmp_path):
     """Killed after the last checkpoint, during the shutdown: the resumed run neither drops the last
     validation line nor writes stale values."""
-    args = ["trainer.max_steps=12", "trainer.checkpoint_every=6", "stats.every=4"]
+    # the fault runner trains with the default forensics: the in-process resume must too
+    args = ["trainer.max_steps=12", "trainer.checkpoint_every=6", "stats.every=4", FORENSICS_ON]
     killed = fault(tmp_path, "kill_in_shutdown", *args, "logger=none", "hydra.run.dir=cut")
     assert killed.returncode == -9 and not (tmp_path / "cut" / "summary.json").exists()
     train(config(*args), tmp_path / "straight")
@@ -120,6 +121,7 @@ def test_sigterm_during_shutdown_does_not_cut_it(tmp_path):
     assert wandb["summary"]["val/acc"] == summary["val/acc"]
 
 
+@pytest.mark.slow  # a child process, ~25 s on a loaded 2-core machine; SIGTERM in the shutdown stays fast
 def test_sigterm_just_after_the_run_finished_exits_0(tmp_path):
     """The signal comes as the run logs "finished"; the run is finished and exits 0."""
     done = fault(tmp_path, "term_after_finish", "trainer.max_steps=3", "logger=none", "hydra.run.dir=run")
@@ -136,7 +138,8 @@ def fault(cwd: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_is_removed(tmp_path):
     """The atomic write: the second checkpoint is torn by a kill; resume takes the first."""
-    args = ["trainer.max_steps=30", "trainer.checkpoint_every=10", "stats.every=5"]
+    # the fault runner trains with the default forensics: the in-process resume must too
+    args = ["trainer.max_steps=30", "trainer.checkpoint_every=10", "stats.every=5", FORENSICS_ON]
     killed = fault(tmp_path, "kill_in_checkpoint:2", *args, "logger=none", "hydra.run.dir=cut")
     assert killed.returncode == -9
     checkpoints = tmp_path / "cut" / "checkpoints"
@@ -148,8 +151,10 @@ def test_a_kill_inside_a_checkpoint_write_loses_nothing_and_its_temporary_file_i
     same_results(tmp_path / "straight", tmp_path / "cut")
 
 
+@pytest.mark.slow  # three runs, one a child; a kill inside a checkpoint write stays fast
 def test_a_kill_inside_a_metrics_write_leaves_whole_lines_and_resume_cuts_back_to_the_checkpoint(tmp_path):
-    args = ["trainer.max_steps=30", "trainer.checkpoint_every=8", "stats.every=1"]
+    # the fault runner trains with the default forensics: the in-process resume must too
+    args = ["trainer.max_steps=30", "trainer.checkpoint_every=8", "stats.every=1", FORENSICS_ON]
     killed = fault(tmp_path, "kill_in_metrics:3", *args, "logger=none", "hydra.run.dir=cut")  # the 3rd flush
     assert killed.returncode == -9
     assert not (tmp_path / "cut" / "metrics.jsonl").read_bytes().endswith(b"\n")  # torn, as a kill leaves it
@@ -193,6 +198,7 @@ def test_a_checkpoint_that_cannot_be_written_names_the_file_and_keeps_the_last_o
     assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
 
 
+@pytest.mark.slow  # a child process; a full disk while writing metrics stays fast
 def test_a_disk_full_inside_a_checkpoint_write_is_one_paragraph_and_keeps_the_last_checkpoint(tmp_path):
     """ENOSPC inside torch.save (torch wraps it in a RuntimeError) on the 2nd checkpoint (step 4)."""
     done = fault(tmp_path, "enospc_in_checkpoint:2", "trainer.max_steps=6", "trainer.checkpoint_every=2",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, TESTS, config, helpers_path, read_jsonl, run_cli
+from conftest import FORENSICS_ON, HELPERS, TESTS, config, helpers_path, read_jsonl, run_cli
 from hydra import compose, initialize_config_module
 
 from hookexp.errors import CheckpointError, ConfigError, HookCompatibilityError
@@ -318,7 +318,7 @@ def two_ranks(tmp_path_factory) -> Path:
     (resume,) = torchrun(["-m", "hookexp", "resume=true", f"hydra.run.dir={tmp / 'sweep' / '1'}"], tmp)
     assert resume.returncode == 0, resume.stderr[-3000:]
     single = [a for a in args if not a.startswith(("trainer.strategy", "trainer.fsdp", "data.batch_size"))]
-    train(config(*single, "data.batch_size=8", STOP % 10_000), tmp / "single")
+    train(config(*single, "data.batch_size=8", STOP % 10_000, FORENSICS_ON), tmp / "single")  # the CLI's default
     return tmp
 
 
@@ -352,7 +352,10 @@ def test_two_fsdp_ranks_log_the_statistics_of_the_unsharded_gradients(two_ranks)
             "update/blocks.0.mlp.fc.weight/ratio", "act/blocks.1.mlp/std"} <= set(single[1])
     for a, b in zip(fsdp, single, strict=True):
         for key in [k for k in b if k.startswith(families)]:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+            # a fraction of elements moves by one element (1/3072 on the attention weights) when a gradient within
+            # an ulp of zero changes sign: the two runs add in other orders
+            near = 1e-3 if key.endswith(("/frac_neg", "/frac_zero")) else 1e-7
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=near), key
     clip = {"hook/clip/change_norm", "hook/clip/cosine", "hook/clip/frac_changed"} if CLIP else set()
     assert clip <= {k for r in single for k in r}
     for a, b in zip(fsdp, single, strict=True):  # the pre_step clip's effects, of the whole tensors

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import HELPERS, config, has_module, read_jsonl
+from conftest import FORENSICS_ON, HELPERS, config, has_module, read_jsonl
 from frameworks import hf_model, hf_trainer, lightning_module
 from torch import nn
 
@@ -26,7 +26,7 @@ from hookexp.telemetry.observer import Observers
 
 AT = 30  # the step the anomaly is injected at
 # the MLP has no normalisation: a module's output scaled x50 reaches the loss
-RUN = ["model=mlp", "model.depth=4", "model.width=32", f"trainer.max_steps={AT + 3}", "stats.every=1",
+RUN = [FORENSICS_ON, "model=mlp", "model.depth=4", "model.width=32", f"trainer.max_steps={AT + 3}", "stats.every=1",
        "guard.spike.metric=train/loss", "guard.spike.window=8", "guard.spike.threshold=2",
        "guard.spike.checkpoint=false"]
 
@@ -203,7 +203,7 @@ def test_a_blip_before_the_cause_can_be_or_a_small_one_is_noise_not_the_onset():
 ])
 def test_bad_settings_are_refused_naming_the_key(tmp_path: Path, key: str, value, message: str):
     with pytest.raises(ConfigError, match=f"guard.forensics.{key}") as err:
-        train(config("trainer.max_steps=1", f"guard.forensics.{key}={value}"), tmp_path)
+        train(config("trainer.max_steps=1", FORENSICS_ON, f"guard.forensics.{key}={value}"), tmp_path)
     assert message in str(err.value)
 
 
@@ -215,7 +215,7 @@ def test_it_is_on_wherever_the_guard_or_the_spike_recorder_is(tmp_path: Path, mo
 
     made = []
     monkeypatch.setattr(observers, "Forensics", lambda *a, **k: made.append(Forensics(*a, **k)) or made[-1])
-    train(config("trainer.max_steps=2", *settings), tmp_path)
+    train(config("trainer.max_steps=2", FORENSICS_ON, *settings), tmp_path)  # the default window, then the settings
     assert bool(made) == built
 
 
