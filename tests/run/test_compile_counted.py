@@ -11,7 +11,7 @@ import pytest
 from conftest import config
 
 import hookexp
-from hookexp.run.loop import train
+from hookexp.run.loop import run_job as train
 
 PACKAGE = str(Path(hookexp.__file__).resolve().parent)
 # the kinds whose hooks Dynamo never traces: they run in the autograd engine or the optimizer, outside the graph

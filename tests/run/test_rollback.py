@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import config, helpers_path, read_jsonl, run_cli
+from conftest import FORENSICS_ON, config, helpers_path, read_jsonl, run_cli
 
 from hookexp.config import RollbackConfig
 from hookexp.errors import ConfigError, RollbackLimitError
 from hookexp.run.loop import run_job as train
 from hookexp.run.replay import ReplayOptions, replay
 
-DATA = ["model=mlp", "model.width=64", "model.input_dim=16", "model.output_dim=4",
+DATA = [FORENSICS_ON, "model=mlp", "model.width=64", "model.input_dim=16", "model.output_dim=4",
         "data.dataset._target_=poisoned.make", "+data.dataset.poison=[23,24]", "~data.dataset.val_fraction",
         "~data.dataset.split_seed", "data.batch_size=32", "trainer.max_steps=60", "optim.lr=0.05"]
 SPIKES = ["guard.spike.metric=train/loss", "stats.every=1"]

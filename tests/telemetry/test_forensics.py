@@ -377,7 +377,7 @@ def test_a_cause_between_log_steps_at_the_default_cadence_is_first(tmp_path: Pat
                                                                      steps, spiked, first):
     """Defaults (stats.every=10, guard.spike.window=20): the spike is seen at its step, 5 steps before the next
     log step, and forensics names the injected layer first."""
-    train(config(*model, "trainer.max_steps=32", "guard.spike.metric=train/loss",
+    train(config(*model, FORENSICS_ON, "trainer.max_steps=32", "guard.spike.metric=train/loss",
                  injected(target, kind, factor, steps)), tmp_path)
     spike = the_spike(tmp_path)
     assert spike["trainer/step"] == spiked and spike["onset"] == BETWEEN

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HELPERS, config, read_jsonl
+from conftest import FORENSICS_ON, HELPERS, config, read_jsonl
 
 from hookexp.config import SpikeConfig
 from hookexp.errors import ConfigError
@@ -31,7 +31,7 @@ def user_transforms(monkeypatch):
 def test_a_spike_is_seen_at_its_step_between_log_steps_then_logged_recorded_checkpointed_and_written(tmp_path: Path):
     """Noisy logits at step 13; log steps every 5: the recorder judges every step, so step 13 is the spike, and the
     steps after it log every step."""
-    summary = train(config(*SPIKE, "stats.every=5", "trainer.max_steps=25", "trainer.accumulate=2",
+    summary = train(config(*SPIKE, FORENSICS_ON, "stats.every=5", "trainer.max_steps=25", "trainer.accumulate=2",
                            "data.batch_size=32"), tmp_path)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["trainer/step"] for r in rows] == [0, 5, 10, 14, 15, 16, 20, 24]
@@ -112,7 +112,8 @@ def test_poisoned_inputs_early_in_a_run_are_a_spike_at_their_step(tmp_path: Path
     the poisoned step, named by forensics, not a log step 20 steps later."""
     poison = "+hooks.poison={target: fc1, kind: forward_pre, transform: scale, args: {factor: 1000.0}, " \
              "start_step: 7, end_step: 9}"
-    summary = train(config("model=mlp", "trainer.max_steps=12", "guard.spike.metric=train/loss", poison), tmp_path)
+    summary = train(config("model=mlp", FORENSICS_ON, "trainer.max_steps=12", "guard.spike.metric=train/loss", poison),
+                    tmp_path)
     (spike,) = read_jsonl(tmp_path / "spikes.jsonl")
     assert spike["trainer/step"] == spike["onset"] == 7 and summary["guard/spikes"] == 1
     assert spike["first"][0]["target"] == "fc1" and spike["first"][0]["input"] == "abnormal"  # the data itself
