@@ -3,7 +3,6 @@ target that left its range first (the producer) before those it spread to."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections import OrderedDict
@@ -411,56 +410,27 @@ def test_watch_names_a_gpt_block_layer_scaled_for_a_step(target: str):
 
 
 # -- cost and torch.compile ---------------------------------------------------------------------------------------
-def small_cnn_and_gpt(name: str) -> tuple[nn.Module, Any]:
-    from hookexp.workloads.models import GPT, SmallCNN
+def detect_ops() -> Any:
+    """benchmarks/detect_ops.py: its workloads (the small CNN, a 2-block GPT) and its op counter."""
+    import importlib.util
 
-    torch.manual_seed(0)
-    if name == "small_cnn":
-        x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
-        return SmallCNN(), lambda m: nn.functional.cross_entropy(m(x), y)
-    ids = torch.randint(0, 64, (8, 17))
-    return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=64), \
-        lambda m: nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-
-
-def aten_ops(name: str, make: Any, steps: int = 4) -> int:
-    """The aten ops of ``steps`` training steps (after 3 of warm-up) with the observers ``make(model, opt)``."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    model, loss_of = small_cnn_and_gpt(name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    observers = Observers(make(model, opt), opt)
-    for step in range(3 + steps):
-        with Count() if step >= 3 else contextlib.nullcontext():
-            observers.start(step, False)
-            loss = loss_of(model)
-            loss.backward()
-            observers.allow_update(loss, step)
-            opt.step()
-            opt.zero_grad()
-            observers.end(step)
-    observers.close()
-    return Count.n // steps
+    path = Path(__file__).parents[2] / "benchmarks" / "detect_ops.py"
+    spec = importlib.util.spec_from_file_location("detect_ops", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 @pytest.mark.parametrize("name", ["small_cnn", "gpt"])
 def test_a_step_costs_a_few_aten_ops_whatever_the_number_of_modules(name: str):
-    """benchmarks/detect_ops.py's counts: forensics, the spike recorder (the gradients' norm) and the guard."""
-    from hookexp.config import SpikeConfig
-    from hookexp.telemetry.guard import NonFiniteGuard
-    from hookexp.telemetry.spike import SpikeRecorder
+    """benchmarks/detect_ops.py's counts (a hand SGD loop with and without each observer): forensics, the spike
+    recorder (the gradients' norm) and the guard."""
+    ops_per_step = detect_ops().ops_per_step
 
-    base = aten_ops(name, lambda m, o: {})
-    assert aten_ops(name, lambda m, o: {"f": Forensics(m, o, ForensicsConfig())}) - base <= 20
-    assert aten_ops(name, lambda m, o: {"s": SpikeRecorder(SpikeConfig(metric="grad/global_norm"), m)}) - base <= 8
-    assert aten_ops(name, lambda m, o: {"g": NonFiniteGuard("raise", m)}) - base <= 12
+    base, _ = ops_per_step(name, "none")
+    assert ops_per_step(name, "forensics")[0] - base <= 20
+    assert ops_per_step(name, "spike")[0] - base <= 8
+    assert ops_per_step(name, "guard")[0] - base <= 12
 
 
 def compiled_buffers(name: str, compiled: bool) -> tuple[list[int], Any, dict, dict]:
@@ -469,7 +439,7 @@ def compiled_buffers(name: str, compiled: bool) -> tuple[list[int], Any, dict, d
     torch._dynamo.reset()
     counters.clear()
     guard_failures.clear()
-    model, loss_of = small_cnn_and_gpt(name)
+    model, loss_of = detect_ops().workload(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     forensics = Forensics(model, opt, ForensicsConfig(window=4))
     observers = Observers({"forensics": forensics}, opt)
