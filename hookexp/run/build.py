@@ -149,10 +149,10 @@ def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
 def check_targets(cfg: DictConfig, overrides: list[str] | None = None) -> None:
     """The model's and the optimizer's keys against their targets' signatures (unknown names, text for numbers),
     before the data is loaded and anything is built: a typo fails in a second, not after the data."""
-    model = drop_inherited(cfg.model, "model", overrides, only_written=True)
+    model = drop_inherited(cfg.model, "model", overrides, only_written=True, quiet=True)  # build() logs it
     check_arguments(target_of(model, "model"), {str(k): v for k, v in model.items() if not str(k).startswith("_")
                                                 and v != "auto"}, "model")
-    optim = drop_inherited(cfg.optim, "optim", overrides)
+    optim = drop_inherited(cfg.optim, "optim", overrides, quiet=True)
     check_arguments(target_of(optim, "optim"), {str(k): v for k, v in optim.items() if not str(k).startswith("_")},
                     "optim", ["params"])
 

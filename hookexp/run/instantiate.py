@@ -171,13 +171,14 @@ def fill_auto(node: DictConfig, info: Mapping[str, Any], key: str,
     return OmegaConf.create(values)
 
 
-def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None, *, only_written: bool = False
-                   ) -> DictConfig:
+def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None, *, only_written: bool = False,
+                   quiet: bool = False) -> DictConfig:
     """When the command line replaced a node's ``_target_`` (``model._target_=mynet.Net``,
     ``data.dataset._target_=mynet.make``), keys the new target does not take that came from the group's config
     file are dropped (logged); keys the user set stay and are checked. ``only_written`` (the model): every key
     from the config file is dropped, taken or not, but ``auto`` ones (filled from the data): a user's model never
-    gets another model's value (small_cnn's ``hidden: 64``). Without a command line, nothing is dropped."""
+    gets another model's value (small_cnn's ``hidden: 64``). Without a command line, nothing is dropped. ``quiet``:
+    log nothing (a check before the build, which logs it)."""
     if overrides is None:
         return node
     set_here = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
@@ -190,10 +191,10 @@ def drop_inherited(node: DictConfig, key: str, overrides: Iterable[str] | None, 
     inherited = [k for k in node if not str(k).startswith("_") and f"{key}.{k}" not in set_here]
     untaken = [k for k in inherited if k not in params and not any_kw]
     taken = [k for k in inherited if k not in untaken and only_written and node._get_node(k)._value() != "auto"]
-    if untaken:
+    if untaken and not quiet:
         log.info("%s: %s does not take %s (from the default %s config): not passed", key, node.get("_target_"),
                  ", ".join(map(str, untaken)), key)
-    if taken:
+    if taken and not quiet:
         log.info("%s: %s gets only the keys set for it: %s of the default %s config not passed (set one with "
                  "++%s.%s=...)", key, node.get("_target_"), ", ".join(f"{k}={node._get_node(k)._value()}"
                                                                     for k in taken), key, key, taken[0])
