@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import config, read_jsonl
+from conftest import FORENSICS_ON, config, read_jsonl
 from torch.utils.data import TensorDataset
 
 from hookexp.engine import HookHandle, SpecBinding
@@ -502,9 +502,9 @@ def test_the_spike_warning_names_spikes_jsonl_and_the_heatmap(tmp_path: Path, ca
     scale = f"+hooks.boom={{target: fc2, kind: forward, transform: scale, args: {{factor: 50.0}}, start_step: {at}, " \
             f"end_step: {at + 1}}}"
     with caplog.at_level("WARNING", logger="hookexp.train"):
-        train(config("model=mlp", "model.depth=4", "model.width=32", f"trainer.max_steps={at + 2}", "stats.every=1",
-                     "guard.spike.metric=train/loss", "guard.spike.window=8", "guard.spike.threshold=2",
-                     "guard.spike.checkpoint=false", scale), tmp_path)
+        train(config(FORENSICS_ON, "model=mlp", "model.depth=4", "model.width=32", f"trainer.max_steps={at + 2}",
+                     "stats.every=1", "guard.spike.metric=train/loss", "guard.spike.window=8",
+                     "guard.spike.threshold=2", "guard.spike.checkpoint=false", scale), tmp_path)
     (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spike of ")]
     heatmap = tmp_path / "forensics" / f"step_{at}.png"
     assert warning.endswith(f"; its row: {tmp_path / 'spikes.jsonl'}, which layer went first: {heatmap}"), warning
