@@ -36,10 +36,8 @@ if not OmegaConf.has_resolver("hookexp_help"):  # the kind and alias lists of `p
 
 def at_least(value: Any, least: int, key: str) -> None:
     """A whole number of at least ``least``, or a :class:`ConfigError` naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.", key=key)
-    if value < least:
-        raise ConfigError(f"must be at least {least}, got {value}.", key=key)
 
 
 @dataclass
@@ -93,11 +91,6 @@ class TrainerConfig:
                               key="trainer.num_threads")
 
 
-def _whole(key: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.", key=key)
-
-
 SPIKE_ACTIONS = ("log", "rollback")
 
 
@@ -120,8 +113,8 @@ class SpikeConfig:
     action: str = "log"
 
     def __post_init__(self) -> None:
-        _whole("guard.spike.window", self.window, 1)
-        _whole("guard.spike.steps", self.steps, 1)
+        at_least(self.window, 1, "guard.spike.window")
+        at_least(self.steps, 1, "guard.spike.steps")
         if not self.threshold > 1:
             raise ConfigError(f"must be above 1 (a spike is the metric above threshold x its recent median), got "
                               f"{self.threshold!r}.", key="guard.spike.threshold")
@@ -146,8 +139,8 @@ class ForensicsConfig:
 
     def __post_init__(self) -> None:
         if self.window != 0:
-            _whole("guard.forensics.window", self.window, 4)
-        _whole("guard.forensics.top", self.top, 1)
+            at_least(self.window, 4, "guard.forensics.window")
+        at_least(self.top, 1, "guard.forensics.top")
         if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not self.z > 0:
             raise ConfigError(f"must be a positive z-score, got {self.z!r}.", key="guard.forensics.z")
 
@@ -166,10 +159,7 @@ class RollbackConfig:
 
     def __post_init__(self) -> None:
         for key, least in (("every", 1), ("keep", 1), ("max", 0)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"must be a whole number of at least {least}, got {value!r}.",
-                                  key=f"guard.rollback.{key}")
+            at_least(getattr(self, key), least, f"guard.rollback.{key}")
         if self.skip is not None and (isinstance(self.skip, bool) or not isinstance(self.skip, int) or self.skip < 0):
             raise ConfigError(f"must be null (skip every batch from the restored snapshot to the event) or a whole "
                               f"number of batches of at least 0, got {self.skip!r}.", key="guard.rollback.skip")

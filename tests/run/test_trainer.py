@@ -178,8 +178,8 @@ def test_unknown_nan_policy_and_precision_are_refused_and_detach_the_hooks(tmp_p
 @pytest.mark.parametrize(("override", "message"), [
     ("stats.hist_sample=0", r"^stats\.hist_sample: must be at least 1 \(or null: count every element\), got 0\."),
     ("stats.hist_bins=-3", r"^stats\.hist_bins: must be 0 \(no histograms\) or more, got -3\."),
-    ("stats.every=0", r"^stats\.every: must be at least 1, got 0\."),
-    ("trainer.accumulate=0", r"^trainer\.accumulate: must be at least 1, got 0\."),
+    ("stats.every=0", r"^stats\.every: must be a whole number of at least 1, got 0\."),
+    ("trainer.accumulate=0", r"^trainer\.accumulate: must be a whole number of at least 1, got 0\."),
     ("trainer.clip_grad_norm=-1", r"^trainer\.clip_grad_norm: must be a positive norm"),
     ("trainer.num_threads=0", r"^trainer\.num_threads: must be at least 1"),
     ("optim.lr=-1", r"^optim\.lr: SGD refused its arguments: ValueError: Invalid learning rate: -1\. Fix optim\.lr"),

@@ -154,7 +154,7 @@ def test_a_failing_observer_closes_those_built_before_it():
 
 
 def test_stats_checks_name_the_trainers_key_or_watchs_keyword():
-    with pytest.raises(ConfigError, match=r"^stats\.every: must be at least 1, got 0\.$"):
+    with pytest.raises(ConfigError, match=r"^stats\.every: must be a whole number of at least 1, got 0\.$"):
         StatsConfig(every=0)
     with pytest.raises(ConfigError, match=r"^stats\.gns_ema: must be a number in \[0, 1\)"):
         StatsConfig(gns_ema=1.0)

@@ -117,7 +117,7 @@ def test_watch_logs_to_a_wandb_run_with_histograms(tmp_path: Path):
 def test_bad_watch_settings_are_refused_naming_them():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match=r"^watch\(every=\.\.\.\): must be at least 1, got 0\."):
+    with pytest.raises(ConfigError, match=r"^watch\(every=\.\.\.\): must be a whole number of at least 1, got 0\."):
         hookexp.watch(model, opt, every=0)
     with pytest.raises(ConfigError, match=r"^watch\(log=\.\.\.\): expected a W&B run"):
         hookexp.watch(model, opt, log=42)
