@@ -60,7 +60,9 @@ Comparisons with wandb.watch are of overheads, as issue 19 asks: w/a_wb - 1 and 
 ratio "w/e ovh" (watch()'s overhead over wandb.watch's; target <= 0.5): in the first table the median
 w/a_wb - 1 over the median e/a_wb - 1, in the second (w - a_wb) / (e - a_wb) per repeat. A ratio of step
 times cannot beat wandb.watch by more than wandb.watch costs.
-Trainer times are its training-loop time (summary perf/train_loop_s: steps only, no build, no eval).
+Trainer times are its training-loop time (summary perf/train_loop_s: steps only, no build, no eval), less the
+first step (perf/first_step_s: compiling under --set trainer.compile=true, lazy set-up); the hand loops start
+their clock after their first step too, and compile the model as the trainer does (distributed.wrap).
 A warm-up pass of every case (--warmup-steps, discarded) first loads what a process loads once (W&B,
 transformers, torch's own lazy set-up). The hand loops use the trainer's precision (trainer.precision: autocast,
 and fp16's GradScaler) so that a/b compares like with like. --time-limit stops starting repeats once the next
@@ -172,20 +174,23 @@ def hand_loop(model_overrides: list[str], steps: int, setup: Setup | None = None
         try:
             device = ranks.place(device)
             parts = build(cfg, ranks, device)  # fully_shard, as the trainer's run is built
-            return _hand_steps(cfg, parts, device, steps, setup, log_loss)
+            return _hand_steps(cfg, parts, (device, ranks), steps, (setup, log_loss))
         finally:
             distributed.teardown(ranks)
     cfg = compose_cfg(model_overrides)
     device = pick_device(cfg.trainer.device)
     parts = build(cfg, Dist(), device)
-    return _hand_steps(cfg, parts, device, steps, setup, log_loss)
+    return _hand_steps(cfg, parts, (device, Dist()), steps, (setup, log_loss))
 
 
-def _hand_steps(cfg, parts, device: torch.device, steps: int, setup: Setup | None, log_loss: bool) -> float:
+def _hand_steps(cfg, parts, where: tuple[torch.device, Dist], steps: int,
+                how: tuple[Setup | None, bool]) -> float:
+    (device, ranks), (setup, log_loss) = where, how
     model, opt, task = parts.model, parts.optimizer, parts.task
     amp = MixedPrecision(cfg.trainer.precision, device, NO_HOOKS)  # the trainer's autocast (and fp16 scaler)
     run = wandb_run() if log_loss else None
     cleanup = setup(model, opt, run) if setup else None
+    forward = distributed.wrap(model, cfg.trainer, ranks, device)  # torch.compile'd under trainer.compile=true
     model.train()
     done, epoch = 0, 0
     start = time.perf_counter()
@@ -194,13 +199,15 @@ def _hand_steps(cfg, parts, device: torch.device, steps: int, setup: Setup | Non
             batch = to_device(batch, device)
             opt.zero_grad(set_to_none=True)
             with amp.autocast():
-                loss = task.loss(task.forward(model, batch), batch)
+                loss = task.loss(task.forward(forward, batch), batch)
             amp.backward(loss)
             amp.unscale(opt)
             amp.step(opt)
             if run is not None:
                 run.log({"train/loss": loss.item()})
             done += 1
+            if done == 1:  # the clock starts after the first step (compiling, lazy set-up), as trainer_loop's
+                start = time.perf_counter()
             if done == steps:
                 break
         epoch += 1
@@ -211,7 +218,7 @@ def _hand_steps(cfg, parts, device: torch.device, steps: int, setup: Setup | Non
         cleanup()
     if run is not None:
         run.finish()
-    return elapsed / steps
+    return elapsed / (steps - 1)
 
 
 def trainer_loop(model_overrides: list[str], steps: int, extra: list[str]) -> float:
@@ -220,7 +227,7 @@ def trainer_loop(model_overrides: list[str], steps: int, extra: list[str]) -> fl
         summary = train(cfg, Path(tmp))
     if summary.get("signal"):
         raise Interrupted
-    return summary["perf/train_loop_s"] / steps
+    return (summary["perf/train_loop_s"] - summary["perf/first_step_s"]) / (steps - 1)
 
 
 def clamp_via(kind: str) -> Setup:

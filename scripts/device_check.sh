@@ -18,8 +18,9 @@
 #   python -m pip wheel --no-deps antlr4-python3-runtime==4.9.3 mup==1.0.0 -w .whl     # sdists only: pure wheels
 # W&B runs offline. Environment: OUT (default /tmp/device_check), DEADLINE (seconds from the start that the last
 # phase must end by, default 430), PY (default python3), BENCH_CASES, BENCH_STEPS, BENCH_REPEATS, BENCH_LIMIT (the
-# main benchmark's --cases, --steps, --repeats and --time-limit), SKIP_TESTS=1 (no CUDA tests), SKIP_GPT=1 (no small
-# gpt phase), SKIP_SUITE=1 (no last phase).
+# main benchmark's --cases, --steps, --repeats and --time-limit; BENCH_S its seconds), COMPILED_CASES and COMPILED_S
+# (the compiled benchmark's cases, '' for none, and seconds), TESTS_S (the CUDA tests' seconds), SKIP_TESTS=1 (no
+# CUDA tests), SKIP_GPT=1 (no small gpt phase), SKIP_SUITE=1 (no last phase).
 set -u
 start=$SECONDS
 OUT="${OUT:-/tmp/device_check}"
@@ -95,22 +96,39 @@ note machine $?
 phase "CUDA tests: every test whose id names cuda (tests/run/test_cuda.py, the cuda-parametrised ones)"
 t0=$SECONDS
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider -m 'not slow' -k cuda -rs tests \
+    timeout -k 10 "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider -m 'not slow' -k cuda -rs tests \
         --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
     note cuda-tests "${PIPESTATUS[0]}"
 else
     note cuda-tests skipped
 fi
 
-phase "overhead benchmark: gpt2_124m (bf16, batch 8 x 1024) on the GPU"
+phase "overhead benchmark: gpt2_124m (bf16, batch 8 x 1024) on the GPU, eager"
 t0=$SECONDS
 cases="${BENCH_CASES:-a,b,b_nofx,c,d0,d,a_wb,w,e,a_fsdp,b_fsdp,d_fsdp,b2,gns}"  # d0: the shipped stats; b_fsdp/a_fsdp: the price under FSDP
-budget=$(( $(left) - 110 ))  # leave time for the small gpt's cases
+ccases="${COMPILED_CASES:-a,b_nofx,d0,c,a_fsdp,b_fsdp}"  # the same under trainer.compile=true ('' : none)
+budget="${BENCH_S:-$(( $(left) - 110 - (${#ccases} > 0 ? ${COMPILED_S:-150} : 0) ))}"  # the small gpt's and compiled
 limit="${BENCH_LIMIT:-$(( budget - 25 ))}"  # no repeat starts that would end after it
-timeout -s USR1 -k 20 $(( budget > 60 ? budget : 60 )) $PY benchmarks/overhead.py --device cuda --models gpt2_124m \
-    --cases "$cases" --steps "${BENCH_STEPS:-40}" --warmup-steps 8 --repeats "${BENCH_REPEATS:-3}" \
-    --time-limit "$limit" --json "$OUT/bench_gpt2_124m.json" 2>&1 | tee "$OUT/bench_gpt2_124m.log"
-note bench-gpt2_124m "${PIPESTATUS[0]}"
+if [ -n "$cases" ]; then
+    timeout -s USR1 -k 20 $(( budget > 60 ? budget : 60 )) $PY benchmarks/overhead.py --device cuda --models gpt2_124m \
+        --cases "$cases" --steps "${BENCH_STEPS:-40}" --warmup-steps 8 --repeats "${BENCH_REPEATS:-3}" \
+        --time-limit "$limit" --json "$OUT/bench_gpt2_124m.json" 2>&1 | tee "$OUT/bench_gpt2_124m.log"
+    note bench-gpt2_124m "${PIPESTATUS[0]}"
+else
+    note bench-gpt2_124m skipped
+fi
+
+phase "overhead benchmark: gpt2_124m under torch.compile (trainer.compile=true; the hand loops compile the same)"
+t0=$SECONDS
+if [ -n "$ccases" ]; then
+    budget="${COMPILED_S:-150}"
+    timeout -s USR1 -k 20 "$budget" $PY benchmarks/overhead.py --device cuda --models gpt2_124m --cases "$ccases" \
+        --steps "${BENCH_STEPS:-40}" --warmup-steps 8 --repeats "${BENCH_REPEATS:-3}" --time-limit $(( budget - 25 )) \
+        --set trainer.compile=true --json "$OUT/bench_gpt2_124m_compiled.json" 2>&1 | tee "$OUT/bench_gpt2_124m_compiled.log"
+    note bench-gpt2_124m-compiled "${PIPESTATUS[0]}"
+else
+    note bench-gpt2_124m-compiled skipped
+fi
 
 phase "overhead benchmark: watch() vs wandb.watch on the issue's gpt (d_model 256, 4 blocks) on the GPU"
 t0=$SECONDS

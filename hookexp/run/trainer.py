@@ -115,6 +115,7 @@ class Trainer:
         self.last_log_time = time.perf_counter()
         self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
         self.stopped_by = parts.limit  # what ended the run, for the summary and the final line
+        self.first_step_s = 0.0  # the first step's seconds in this process: torch.compile's compile, lazy set-up
         # disable=None: a bar only when stderr is a terminal (never glued to redirected log lines)
         self.bar = tqdm(total=parts.total_steps, initial=self.loop.step, disable=None if cfg.trainer.progress else True,
                         desc="train", unit="step", leave=False)
@@ -149,7 +150,9 @@ class Trainer:
             result = self.train_step(batches, per_epoch, log_now)
             taken = result.taken
             bar.update(bool(taken))
-            loop.train_s += time.perf_counter() - started
+            step_s = time.perf_counter() - started
+            self.first_step_s = self.first_step_s or step_s
+            loop.train_s += step_s
             if taken and self.rollback.after_step(result.spike):  # rollback: restored a snapshot; reopen the batches
                 batches = None
                 continue
@@ -379,6 +382,7 @@ class Trainer:
             "status": status, "signal": self.ckpt.stops.signum, "trainer/steps": loop.step,
             "trainer/epochs": loop.epoch,
             "runtime_s": time.perf_counter() - self.started, "perf/train_loop_s": loop.train_s,
+            "perf/first_step_s": self.first_step_s,
             "run_dir": str(run_dir), **self.observers.summary(), **calls,
             **self.rollback.summary(),  # rollback: what was rolled back and skipped
         })

@@ -113,6 +113,7 @@ def test_plot_and_histograms_reach_the_files_and_wandb(tmp_path: Path):
                 assert h["bins"][-1] == metrics[row["trainer/step"]][key[:-4] + "max"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["perf/train_loop_s"] > 0 and summary["status"] == "finished"
+    assert 0 < summary["perf/first_step_s"] < summary["perf/train_loop_s"]  # one step of the run's several
 
 
 NAN_AT_3 = ["+hooks.poison={target:fc1.bias,kind:grad,transform:{_target_:user_transforms.nan_at,step:3}}",
