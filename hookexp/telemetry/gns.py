@@ -202,7 +202,8 @@ class GradientNoiseScale(Observer):
         if both is None:
             return {}
         both = both / _world()
-        return {"ema": both[:2].cpu(), "weight": both[2:].cpu(), "groups": list(self.groups)}
+        # left on the device: a rollback snapshot copies them without a host sync (a checkpoint loads them to the CPU)
+        return {"ema": both[:2], "weight": both[2:], "groups": list(self.groups)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:

@@ -68,9 +68,10 @@ class TrainMeter(Observer):
 
     def state_dict(self) -> dict[str, Any]:
         """The period's sums of every rank (a row each: under DDP/FSDP each rank has summed its own batches)."""
-        totals = self.totals.detach().cpu()
-        rows = self.ranks.gather(totals) if self.ranks.enabled else [totals]
-        return {"totals": torch.stack(rows)}
+        totals = self.totals.detach()  # a new tensor (a cat): no live state is shared
+        if not self.ranks.enabled:  # left on the device: a rollback snapshot copies it without a host sync
+            return {"totals": totals[None]}
+        return {"totals": torch.stack(self.ranks.gather(totals.cpu()))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's row (a checkpoint of another world size: rank 0 carries their sum)."""
