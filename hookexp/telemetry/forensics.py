@@ -71,11 +71,28 @@ def _first_float_tensor(x: Any) -> torch.Tensor | None:
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One float32 norm per tensor: one multi-tensor kernel."""
+    """One float32 norm per tensor: one multi-tensor kernel per dtype (see :func:`_foreach_norms`)."""
     if not tensors:
         return []
     with torch.no_grad():
-        return list(torch._foreach_norm([local_part(t) for t in tensors], 2, dtype=torch.float32))
+        return _foreach_norms([local_part(t) for t in tensors])
+
+
+def _foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch._foreach_norm`` of ``tensors`` in float32, called once per (dtype, contiguous) group: on CUDA a list
+    that mixes dtypes (bf16 autocast: a LayerNorm's float32 output beside a Linear's bf16 one) or holds a strided
+    view takes the slow path, a kernel per tensor, for the whole list."""
+    groups: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.is_contiguous()), []).append(i)
+    if len(groups) == 1:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    out: list[torch.Tensor] = [tensors[0]] * len(tensors)
+    for members in groups.values():
+        for i, norm in zip(members, torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float32),
+                           strict=True):
+            out[i] = norm
+    return out
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -133,12 +150,15 @@ class Forensics(Observer):
             if out is None:
                 return
             inp = _first_float_tensor(args)
-            at = -1
+            last_at, at = self._count - 1, -1  # last_at: where the output normed last is
             if inp is not None and inp is self._last:
-                at = self._count - 1  # the input is the output normed last: no second kernel
+                at = last_at  # the input is the output normed last: no second kernel
             elif inp is not None:
                 self._pending.append(inp)
                 at, self._count = self._count, self._count + 1
+            if out is self._last and inp is not out:  # a container returning its last child's output: that norm
+                self.calls.append((index, last_at, at))  # (an in-place module's output is its input: normed anew)
+                return
             self._pending.append(out)
             self.calls.append((index, self._count, at))
             self._count += 1
@@ -151,7 +171,7 @@ class Forensics(Observer):
         if self._pending:
             pending, self._pending = self._pending, []
             with torch.no_grad():
-                norms = torch._foreach_norm(pending, 2, dtype=torch.float32)
+                norms = _foreach_norms(pending)
                 self._normed.extend(torch._foreach_div(norms, [math.sqrt(max(t.numel(), 1)) for t in pending]))
 
     def _forward_end(self, *args: Any) -> None:
