@@ -206,7 +206,7 @@ def _hand_steps(cfg, parts, where: tuple[torch.device, Dist], steps: int,
             if run is not None:
                 run.log({"train/loss": loss.item()})
             done += 1
-            if done == 1:  # the clock starts after the first step (compiling, lazy set-up), as trainer_loop's
+            if done == 1 < steps:  # the clock starts after the first step (compiling, lazy set-up), as trainer_loop's
                 start = time.perf_counter()
             if done == steps:
                 break
@@ -218,7 +218,7 @@ def _hand_steps(cfg, parts, where: tuple[torch.device, Dist], steps: int,
         cleanup()
     if run is not None:
         run.finish()
-    return elapsed / (steps - 1)
+    return elapsed / max(steps - 1, 1)
 
 
 def trainer_loop(model_overrides: list[str], steps: int, extra: list[str]) -> float:
@@ -227,6 +227,8 @@ def trainer_loop(model_overrides: list[str], steps: int, extra: list[str]) -> fl
         summary = train(cfg, Path(tmp))
     if summary.get("signal"):
         raise Interrupted
+    if steps == 1:
+        return summary["perf/train_loop_s"]
     return (summary["perf/train_loop_s"] - summary["perf/first_step_s"]) / (steps - 1)
 
 
