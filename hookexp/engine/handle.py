@@ -25,8 +25,8 @@ from hookexp.engine.kinds import KINDS, refuse_compiled
 from hookexp.engine.prestep import PreStep, PreStepEntry
 from hookexp.engine.schema import HookSpec, SpecsLike, spec_name
 from hookexp.engine.specs import collect_specs, raise_all
-from hookexp.engine.traced import Token
 from hookexp.engine.targets import resolve
+from hookexp.engine.traced import Token
 from hookexp.errors import ConfigError, HookexpError
 
 Measure = Literal["read"] | bool | int
