@@ -366,8 +366,8 @@ def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
         else:
             return disabled(module, args, output)
         picked = [(k, t) for k, t in picked if t.requires_grad]
-        if not picked:
-            return disabled(module, args, output)
+        if not picked:  # nothing to hook (the eager hook notes it for the dry run, which is never compiled)
+            return None
         if isinstance(output, torch.Tensor):
             return traced.grad_site(output, token, site.binding.index)
         new = list(output)

@@ -267,3 +267,17 @@ def test_traced_kind_under_inductor_matches_eager_within_float_reordering(kind):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert stats_c["calls"] == stats_e["calls"] == 4
     assert stats_c == pytest.approx(stats_e, rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:hooks.h. transform 'zero' returned a tensor cut from the autograd graph")
+@pytest.mark.parametrize(("transform", "traces"), [("identity", True), ("mean_ablate", True), ("zero", False)])
+@pytest.mark.parametrize("kind", ["forward_pre", "forward"])
+def test_forward_side_transforms_trace_under_compile_unless_they_cut_the_graph(kind, transform, traces):
+    """An unchanged result is measured as unchanged, compiled as eager; ``zero`` returns a tensor cut from the
+    graph (eager gives the parameters before it no gradient, not a zero one), so it runs eagerly: a graph break."""
+    spec = {"target": "block", "kind": kind, "transform": transform}
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(spec, "aot_eager", steps=2)
+    assert torch.equal(out_e, out_c) and stats_e == stats_c and stats_c["calls"] == 4
+    assert [g is None for g in grads_e] == [g is None for g in grads_c]
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True) if a is not None)
+    assert (breaks == 0) is traces
