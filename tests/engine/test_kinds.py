@@ -281,3 +281,14 @@ def test_forward_side_transforms_trace_under_compile_unless_they_cut_the_graph(k
     assert [g is None for g in grads_e] == [g is None for g in grads_c]
     assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True) if a is not None)
     assert (breaks == 0) is traces
+
+
+@pytest.mark.parametrize(("transform", "args"), [("noise", {"std": 0.1}), ("record", {})])
+def test_output_grad_runs_any_transform_under_compile_without_a_graph_break(transform, args):
+    """``output_grad``'s transform runs when the gradient comes, in Python inside the graph's backward: transforms
+    that read the context (the step, their seeded generator, the records) act as eagerly, bit for bit."""
+    spec = {"target": "block", "kind": "output_grad", "transform": transform, "args": args}
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(spec, "aot_eager", steps=2)
+    assert breaks == 0 and stats_e == stats_c and stats_c["calls"] == 4 and torch.equal(out_e, out_c)
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True))
+    assert (stats_c["change_norm"] > 0) is (transform == "noise")
