@@ -10,28 +10,38 @@ compile (a graph break). Used only while Dynamo traces; eager calls never reach 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.fx.node, "has_side_effect")
-_CALLBACKS: dict[int, Callable[..., Any]] = {}  # token -> what the operators call, while its hook is attached
 _ids = itertools.count()
 
 
 class Token:
     """A Python callback the operators reach by a number baked into the graph; ``remove`` (a removable handle, as
-    torch's) unregisters it, after which the operators do nothing for it."""
+    torch's) unregisters it, after which the operators do nothing for it. Registered weakly: the hook that uses it
+    keeps it alive, so a model dropped without removing its hooks takes its tokens with it."""
 
-    __slots__ = ("id",)
+    __slots__ = ("__weakref__", "fn", "id")
 
     def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
         self.id = next(_ids)
-        _CALLBACKS[self.id] = fn
+        _TOKENS[self.id] = self
 
     def remove(self) -> None:
-        _CALLBACKS.pop(self.id, None)
+        _TOKENS.pop(self.id, None)
+
+
+_TOKENS: weakref.WeakValueDictionary[int, Token] = weakref.WeakValueDictionary()  # id -> token, while attached
+
+
+def _callback(token: int) -> Callable[..., Any] | None:
+    found = _TOKENS.get(token)
+    return None if found is None else found.fn
 
 
 def _key(key: str) -> int | str | None:
@@ -48,7 +58,7 @@ def encode_key(key: int | str | None) -> str:
 if AVAILABLE:
     @torch.library.custom_op("hookexp::enter", mutates_args=())
     def _enter(x: torch.Tensor, token: int, mode: int) -> torch.Tensor:
-        fn = _CALLBACKS.get(token)
+        fn = _callback(token)
         return torch.full((), fn is not None and bool(fn(mode)), dtype=torch.bool, device=x.device)
 
     @_enter.register_fake
@@ -57,7 +67,7 @@ if AVAILABLE:
 
     @torch.library.custom_op("hookexp::observe", mutates_args=())
     def _observe(xs: list[torch.Tensor], token: int, mode: int) -> None:
-        fn = _CALLBACKS.get(token)
+        fn = _callback(token)
         if fn is not None:
             fn(xs, mode)
 
@@ -67,7 +77,7 @@ if AVAILABLE:
 
     @torch.library.custom_op("hookexp::grad", mutates_args=())
     def _grad(grad: torch.Tensor, token: int, key: str) -> torch.Tensor:
-        fn = _CALLBACKS.get(token)
+        fn = _callback(token)
         new = fn(grad, _key(key)) if fn is not None else None
         if new is None or new.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
             return grad.clone()  # an operator's output never aliases its input
