@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx
 
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.fx.node, "has_side_effect")
 _ids = itertools.count()

@@ -292,3 +292,15 @@ def test_output_grad_runs_any_transform_under_compile_without_a_graph_break(tran
     assert breaks == 0 and stats_e == stats_c and stats_c["calls"] == 4 and torch.equal(out_e, out_c)
     assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True))
     assert (stats_c["change_norm"] > 0) is (transform == "noise")
+
+
+def test_without_the_operators_forward_kinds_run_eagerly_under_compile(monkeypatch):
+    """torch < 2.4 has no ``torch.library.custom_op``: the forward-side hooks then run eagerly under compile (a
+    graph break at the target), with the same results."""
+    from hookexp.engine import traced
+
+    monkeypatch.setattr(traced, "AVAILABLE", False)
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(CASES["forward"][0],
+                                                                                         "aot_eager")
+    assert breaks > 0 and torch.equal(out_e, out_c) and stats_e == stats_c
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True))
