@@ -79,7 +79,7 @@ class Clock:
 class Site:
     """One target of one spec: what that target's torch hooks call, with its own counters."""
 
-    __slots__ = ("binding", "calls", "ctx", "empty", "empty_why", "input", "name", "obj", "shards", "target",
+    __slots__ = ("acting", "binding", "calls", "ctx", "empty", "empty_why", "input", "name", "obj", "shards", "target",
                  "warned")
 
     def __init__(self, binding: SpecBinding, target: Target):
@@ -94,6 +94,7 @@ class Site:
         self.ctx: HookContext | None = None  # made at the first call of a transform that reads it
         self.input: tuple[str, int | None] | None = None  # `input:` resolved: (name, position or None)
         self.shards: Shards | None = None  # parameter kinds under FSDP: the gradient's shard groups
+        self.acting = False  # under torch.compile: whether the forward-side call now running acts (enter_traced)
 
 
 class SpecBinding:
@@ -151,6 +152,30 @@ class SpecBinding:
         if self.active:
             self.skipped_for_phase(site, training)
         return False
+
+    # -- under torch.compile (hookexp.engine.traced) ------------------------------------------------
+    @property
+    def traceable(self) -> bool:
+        """Whether a forward-side hook of this spec can be traced by torch.compile: its transform reads no context
+        (so neither the step nor per-spec state) and acts on tensors, and no ``index``/``select`` picks a part."""
+        tf = self.transform
+        return not tf.needs_ctx and not tf.structured and self.index is None and self.select is None
+
+    def enter_traced(self, site: Site, training: bool) -> bool:
+        """A traced forward-side call reaching Python when the graph runs: whether it acts (counted if so)."""
+        site.acting = self.live_in(site, training)
+        if site.acting:
+            self.calls += 1
+            site.calls += 1
+        return site.acting
+
+    def measure_traced(self, site: Site, pairs: list[torch.Tensor]) -> None:
+        """What the traced transform did (``pairs``: the acting flag, then input and result of each tensor) on a
+        measured step, as :meth:`apply_tensor` measures it; a result that is its input counts as unchanged."""
+        if site.acting and self.clock.measuring:
+            for x, y in zip(pairs[1::2], pairs[2::2], strict=True):
+                same = y.data_ptr() == x.data_ptr() and y.shape == x.shape and y.stride() == x.stride()
+                self.measure(x, x if same else y, site.shards)
 
     def end_step(self) -> None:
         self.calls_last_step = self.calls - self._calls_at_step_start

@@ -26,6 +26,7 @@ from hookexp.engine.prestep import PreStep, PreStepEntry
 from hookexp.engine.schema import HookSpec, SpecsLike, spec_name
 from hookexp.engine.specs import collect_specs, raise_all
 from hookexp.engine.targets import resolve
+from hookexp.engine.traced import Token
 from hookexp.errors import ConfigError, HookexpError
 
 Measure = Literal["read"] | bool | int
@@ -303,7 +304,8 @@ class HookHandle:
             raise explained from exc
 
     def __repr__(self) -> str:
-        state = "removed" if self.removed else f"{len(self._torch_handles) + len(self.pre_step.sites)} hooks"
+        hooks = sum(not isinstance(h, Token) for h in self._torch_handles) + len(self.pre_step.sites)
+        state = "removed" if self.removed else f"{hooks} hooks"
         return f"HookHandle({', '.join(b.spec.name for b in self.bindings)}; {state})"
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookexp.engine import values
+from hookexp.engine import traced, values
 from hookexp.engine.binding import Attach, AttachSite, Check, KindInfo, Site, SpecBinding, Stage
 from hookexp.engine.schema import KIND_DOCS, KindDoc, Value
 from hookexp.errors import HookCompatibilityError, RegistryError, SpecError, did_you_mean
@@ -54,7 +54,8 @@ def register_kind(name: str, *, on: Literal["module", "parameter"] | None = None
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Forward-side hooks read the step and the schedule: under torch.compile, Dynamo would guard on
-    those values and recompile every step. Running the hooks eagerly (a graph break) keeps one graph.
+    those values and recompile every step. Running a hook that cannot be traced (:func:`compiled`) eagerly (a graph
+    break) keeps one graph.
 
     ``torch.compiler.disable``'s wrapper costs more than a hand-written hook on every eager call, so it is
     taken only while Dynamo traces (where ``is_compiling()`` is true); eager calls go straight to ``fn``.
@@ -69,6 +70,52 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args)
 
     return hook
+
+
+def compiled(fn: Callable[..., Any], trace: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward-side hook ``fn`` that torch.compile traces: while Dynamo traces, ``trace(disabled, *args)`` runs
+    instead, reading the hook's Python state only through :mod:`hookexp.engine.traced`'s operators; it calls
+    ``disabled(*args)`` (``fn`` run eagerly: a graph break) for what it cannot trace. Eager calls go straight to
+    ``fn``. Without the operators (torch < 2.4), :func:`eager`."""
+    if not traced.AVAILABLE:
+        return eager(fn)
+    disabled = torch.compiler.disable(fn, recursive=True)
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def hook(*args: Any) -> Any:
+        if is_compiling():
+            return trace(disabled, *args)
+        return fn(*args)
+
+    return hook
+
+
+def traced_tensors(site: Site, xs: list[torch.Tensor], training: bool, tokens: tuple[Any, Any]
+                   ) -> list[torch.Tensor] | None:
+    """The spec's transform on ``xs``, traced: each result where the call acts, else the input
+    (``torch.where`` on the flag ``hookexp::enter`` returns); the effects measured by ``hookexp::observe``. None
+    (nothing traced, nothing counted) where the eager hook must run instead: a result that is not a tensor like its
+    input, or that no longer requires grad (a cut graph, which the eager hook warns about)."""
+    b = site.binding
+    tf = b.transform
+    ys = [tf.call(x, None) if tf.wants_ctx else tf.call(x) for x in xs]
+    for x, y in zip(xs, ys, strict=True):
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
+            return None
+        if x.requires_grad and not y.requires_grad and torch.is_grad_enabled():
+            return None
+    enter, measure = tokens
+    acts = traced.enter(xs[0], enter, int(training))
+    outs = [x if y is x else torch.where(acts, y, x) for x, y in zip(xs, ys, strict=True)]
+    traced.observe([acts, *(t for pair in zip(xs, outs, strict=True) for t in pair)], measure)
+    return outs
+
+
+def _tokens(site: Site) -> tuple[traced.Token, traced.Token]:
+    b = site.binding
+    return (traced.Token(lambda mode: b.enter_traced(site, bool(mode))),
+            traced.Token(lambda pairs, mode: b.measure_traced(site, pairs)))
 
 
 def refuse_compiled(model: nn.Module) -> None:
@@ -210,21 +257,44 @@ def _legacy_warning(site: Site, handle: AttachSite) -> None:
 @register_kind("forward_pre", check=_forward_check)
 def _forward_pre(site: Site, handle: AttachSite) -> list[Any]:
     b = site.binding
+    tokens = _tokens(site)
 
-    @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not b.live_in(site, module.training):
             return None
         return b.call(site, b.apply_inputs, args, kwargs, site)
 
-    return [site.obj.register_forward_pre_hook(hook, with_kwargs=True)]  # type: ignore[union-attr]
+    def trace(disabled: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not b.traceable:
+            return disabled(module, args, kwargs)
+        if site.input is not None:  # one input, by name
+            name, pos = site.input
+            keys: list[int | str] = [name] if name in kwargs else [pos] if pos is not None and pos < len(args) else []
+        else:  # the tensors at the top level of the inputs
+            keys = [*range(len(args)), *kwargs]
+        keys = [k for k in keys if isinstance(kwargs[k] if isinstance(k, str) else args[k], torch.Tensor)]
+        picked = [kwargs[k] if isinstance(k, str) else args[k] for k in keys]
+        outs = traced_tensors(site, picked, module.training, tokens) if keys else None
+        if outs is None:
+            return disabled(module, args, kwargs)
+        if all(out is x for out, x in zip(outs, picked, strict=True)):
+            return None
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for k, out in zip(keys, outs, strict=True):
+            if isinstance(k, str):
+                new_kwargs[k] = out
+            else:
+                new_args[k] = out
+        return tuple(new_args), new_kwargs
+
+    return [site.obj.register_forward_pre_hook(compiled(hook, trace), with_kwargs=True), *tokens]  # type: ignore[union-attr]
 
 
 @register_kind("forward", check=_forward_check)
 def _forward(site: Site, handle: AttachSite) -> list[Any]:
     b = site.binding
+    tokens = _tokens(site)
 
-    @eager
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not b.live_in(site, module.training):
             return None
@@ -235,7 +305,15 @@ def _forward(site: Site, handle: AttachSite) -> list[Any]:
             new = b.call(site, b.apply, output, site, aux)
         return None if new is output else new
 
-    return [site.obj.register_forward_hook(hook, with_kwargs=True)]  # type: ignore[union-attr]
+    def trace(disabled: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              output: Any) -> Any:
+        outs = (traced_tensors(site, [output], module.training, tokens)
+                if b.traceable and isinstance(output, torch.Tensor) else None)
+        if outs is None:
+            return disabled(module, args, kwargs, output)
+        return None if outs[0] is output else outs[0]
+
+    return [site.obj.register_forward_hook(compiled(hook, trace), with_kwargs=True), *tokens]  # type: ignore[union-attr]
 
 
 def _picked_input(found: tuple[str, int | None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -256,24 +334,48 @@ def _output_tensors(b: SpecBinding | type[_NoIndex], output: Any) -> list[tuple[
     return [(k, v) for k, v in values.elements(output) if isinstance(v, torch.Tensor)]
 
 
-def _on_output(site: Site, hook_output: Callable[..., bool], missing: str, *extra: Any) -> Any:
+def _on_output(site: Site, hook_output: Callable[..., bool], missing: str, *extra: Any,
+               trace: Callable[..., Any] | None = None) -> Any:
     """A forward hook that, in a pass that builds a graph, hooks the backward side of the output
-    (``hook_output(site, output, *extra)``), noting ``missing`` when there was nothing to hook."""
+    (``hook_output(site, output, *extra)``), noting ``missing`` when there was nothing to hook. ``trace``: what runs
+    instead while torch.compile traces (:func:`compiled`); without it, the hook runs eagerly there."""
     b = site.binding
 
-    @eager
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not b.active or not torch.is_grad_enabled():
             return
         if not b.call(site, hook_output, site, output, *extra, counted=False):
             b.note(site.name, missing)
 
-    return site.obj.register_forward_hook(hook)  # type: ignore[union-attr]
+    return site.obj.register_forward_hook(eager(hook) if trace is None else compiled(hook, trace))  # type: ignore[union-attr]
 
 
 @register_kind("output_grad")
 def _output_grad(site: Site, handle: AttachSite) -> list[Any]:
-    return [_on_output(site, _hook_output_grads, "output does not require grad")]
+    token = traced.Token(lambda grad, key: _grad_call(site, key, grad))
+
+    def trace(disabled: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Each output tensor replaced by a copy whose gradient goes through ``hookexp::grad`` (a tensor hook on an
+        intermediate tensor would need compiled autograd); whether the spec acts is asked when the gradient comes."""
+        if not torch.is_grad_enabled():
+            return None
+        if isinstance(output, torch.Tensor) and site.binding.index in (None, 0, -1):
+            picked: list[tuple[int | str | None, torch.Tensor]] = [(None, output)]
+        elif type(output) in (tuple, list) and site.binding.index is None:
+            picked = [(i, t) for i, t in enumerate(output) if isinstance(t, torch.Tensor)]
+        else:
+            return disabled(module, args, output)
+        picked = [(k, t) for k, t in picked if t.requires_grad]
+        if not picked:  # nothing to hook (the eager hook notes it for the dry run, which is never compiled)
+            return None
+        if isinstance(output, torch.Tensor):
+            return traced.grad_site(output, token, site.binding.index)
+        new = list(output)
+        for k, t in picked:
+            new[k] = traced.grad_site(t, token, k)  # type: ignore[index]
+        return type(output)(new)
+
+    return [_on_output(site, _hook_output_grads, "output does not require grad", trace=trace), token]
 
 
 def _hook_output_grads(site: Site, output: Any) -> bool:

@@ -210,13 +210,16 @@ def test_frozen_parameter_is_refused():
         assert [t.name for t in h.bindings[0].targets] == ["head.weight"]
 
 
-@pytest.mark.parametrize("kind", sorted(CASES))
-def test_kind_works_under_torch_compile(kind):
-    """Hooks attached, then the model compiled (aot_eager: Dynamo and AOTAutograd without a C++
-    compiler): outputs and gradients equal eager's exactly, and the hook fires as often."""
-    import torch._dynamo
+# the kinds torch.compile traces whole (docs/training.md); the others run eagerly there, a graph break at the target
+TRACED = {"forward_pre", "forward", "output_grad", "grad", "post_accumulate"}
 
-    spec, _, calls = CASES[kind]
+
+def _eager_and_compiled(spec, backend, steps=1):
+    """Outputs, gradients and the hook's stats (measured every step) of ``steps`` steps on copies of one model,
+    eager then compiled with ``backend``; and the graph breaks Dynamo counted."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     base = Probe()
@@ -225,12 +228,79 @@ def test_kind_works_under_torch_compile(kind):
     for compiled in (False, True):
         model = copy.deepcopy(base)
         model.tied_b.weight = model.tied_a.weight
-        with attach(model, {"h": spec}) as hooks:
-            forward = torch.compile(model, backend="aot_eager") if compiled else model
-            out = forward(x)
-            out.square().sum().backward()
-            results.append((out.detach(), [p.grad for p in model.parameters()], hooks.stats()["h"]["calls"]))
-    (out_e, grads_e, calls_e), (out_c, grads_c, calls_c) = results
+        counters.clear()
+        with attach(model, {"h": spec}, measure=True) as hooks:
+            forward = torch.compile(model, backend=backend) if compiled else model
+            for step in range(steps):
+                hooks.set_step(step)
+                model.zero_grad()
+                out = forward(x)
+                out.square().sum().backward()
+            results.append((out.detach(), [p.grad for p in model.parameters()], hooks.stats()["h"]))
+    return results, sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_kind_works_under_torch_compile(kind):
+    """Hooks attached, then the model compiled (aot_eager: Dynamo and AOTAutograd without a C++
+    compiler): outputs, gradients and what the hook measured equal eager's exactly, the hook fires as often, and
+    the kinds that trace break no graph."""
+    spec, _, calls = CASES[kind]
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(spec, "aot_eager")
     assert torch.equal(out_e, out_c)
     assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True))
-    assert calls_e == calls_c == calls
+    assert stats_e["calls"] == stats_c["calls"] == calls
+    assert stats_e == stats_c
+    assert (breaks == 0) is (kind in TRACED), breaks
+
+
+@pytest.mark.slow  # inductor builds C++ kernels: a minute on a CPU; ./scripts/test.sh -m slow
+@pytest.mark.parametrize("kind", ["forward_pre", "forward", "output_grad"])
+def test_traced_kind_under_inductor_matches_eager_within_float_reordering(kind):
+    """The default backend: inductor fuses and reorders float arithmetic, so outputs, gradients and the measured
+    effects agree with eager to 1e-5 (relative), not bit for bit; the calls exactly, and no graph breaks."""
+    spec = {**CASES[kind][0], "every": 2}  # acts on steps 0 and 2, not 1: the schedule read when the graph runs
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(spec, "inductor", steps=3)
+    assert breaks == 0
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert stats_c["calls"] == stats_e["calls"] == 4
+    assert stats_c == pytest.approx(stats_e, rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:hooks.h. transform 'zero' returned a tensor cut from the autograd graph")
+@pytest.mark.parametrize(("transform", "traces"), [("identity", True), ("mean_ablate", True), ("zero", False)])
+@pytest.mark.parametrize("kind", ["forward_pre", "forward"])
+def test_forward_side_transforms_trace_under_compile_unless_they_cut_the_graph(kind, transform, traces):
+    """An unchanged result is measured as unchanged, compiled as eager; ``zero`` returns a tensor cut from the
+    graph (eager gives the parameters before it no gradient, not a zero one), so it runs eagerly: a graph break."""
+    spec = {"target": "block", "kind": kind, "transform": transform}
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(spec, "aot_eager", steps=2)
+    assert torch.equal(out_e, out_c) and stats_e == stats_c and stats_c["calls"] == 4
+    assert [g is None for g in grads_e] == [g is None for g in grads_c]
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True) if a is not None)
+    assert (breaks == 0) is traces
+
+
+@pytest.mark.parametrize(("transform", "args"), [("noise", {"std": 0.1}), ("record", {})])
+def test_output_grad_runs_any_transform_under_compile_without_a_graph_break(transform, args):
+    """``output_grad``'s transform runs when the gradient comes, in Python inside the graph's backward: transforms
+    that read the context (the step, their seeded generator, the records) act as eagerly, bit for bit."""
+    spec = {"target": "block", "kind": "output_grad", "transform": transform, "args": args}
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(spec, "aot_eager", steps=2)
+    assert breaks == 0 and stats_e == stats_c and stats_c["calls"] == 4 and torch.equal(out_e, out_c)
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True))
+    assert (stats_c["change_norm"] > 0) is (transform == "noise")
+
+
+def test_without_the_operators_forward_kinds_run_eagerly_under_compile(monkeypatch):
+    """torch < 2.4 has no ``torch.library.custom_op``: the forward-side hooks then run eagerly under compile (a
+    graph break at the target), with the same results."""
+    from hookexp.engine import traced
+
+    monkeypatch.setattr(traced, "AVAILABLE", False)
+    ((out_e, grads_e, stats_e), (out_c, grads_c, stats_c)), breaks = _eager_and_compiled(CASES["forward"][0],
+                                                                                         "aot_eager")
+    assert breaks > 0 and torch.equal(out_e, out_c) and stats_e == stats_c
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True))

@@ -196,3 +196,34 @@ def test_observers_hook_the_optimizer_only_for_observers_that_act_around_the_upd
     observers.close()
     quiet.close()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_activation_statistics_under_torch_compile_equal_eager_and_break_no_graph(backend):
+    """Attached before compiling, the activation probes are traced into the graph (the output reaches Python through
+    an operator when the graph runs): no graph break, no recompile as log steps come and go, and the values equal
+    the eager model's, bit for bit, also where an in-place ReLU changes the output right after."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    logged = []
+    for compiled in (False, True):
+        model, opt = make("sgd")
+        probes, observers = probes_on(model, opt, grads="*", activations="blocks.?", hist_bins=4)
+        torch._dynamo.reset()
+        counters.clear()
+        forward = torch.compile(model, backend=backend) if compiled else model
+        x, y = data()
+        got = []
+        for log in (True, False, True):
+            probes.active = log
+            nn.functional.cross_entropy(forward(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(read([probes.pending()]))
+        observers.close()
+        logged.append(got)
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    eager, compiled = logged
+    assert compiled[1] == {} and "act/blocks.0/kurtosis" in compiled[0] and "act/blocks.1/hist" in compiled[2]
+    assert repr(compiled) == repr(eager)  # histograms are arrays: compared by their printed values
