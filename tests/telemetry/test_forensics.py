@@ -350,6 +350,47 @@ def test_an_in_place_activation_gets_its_own_norm_not_its_inputs():
     observers.close()
 
 
+def test_every_norm_list_is_one_dtype_and_dense_and_a_container_reuses_its_last_childs_norm(monkeypatch):
+    """CUDA's ``_foreach_norm`` runs a few kernels for a list of one dtype of dense tensors and a kernel per tensor
+    for any other list. A GPT under bf16 autocast mixes float32 (LayerNorm) and bf16 (Linear) outputs: forensics
+    hands it one list per dtype. A module returning its last child's output (``blocks.0.mlp``) gets that norm."""
+    from hookexp.workloads.models import GPT
+
+    torch.manual_seed(0)
+    net = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4))
+    observers = Observers({"forensics": forensics}, opt)
+    lists: list[list[tuple[torch.dtype, bool]]] = []
+    real = torch._foreach_norm
+
+    def spy(tensors, *args, **kwargs):
+        lists.append([(t.dtype, t.is_contiguous()) for t in tensors])
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", spy)
+    outputs: dict[str, torch.Tensor] = {}
+    keep = [net.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: outputs.__setitem__(n, o.detach()))
+            for n in ("blocks.0.mlp", "blocks.0.mlp.proj")]
+    observers.start(0, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = net(torch.randint(0, 32, (2, 8)))
+    logits.float().square().mean().backward()
+    opt.step()
+    observers.end(0)
+    assert all(len(set(kinds)) == 1 and kinds[0][1] for kinds in lists), lists  # one dtype, contiguous, per call
+    assert {kinds[0][0] for kinds in lists} == {torch.float32, torch.bfloat16}  # the forward mixed both
+    assert outputs["blocks.0.mlp"] is not None and torch.equal(outputs["blocks.0.mlp"], outputs["blocks.0.mlp.proj"])
+    _, norms, _ = forensics.history()
+    column = {s: j for j, s in enumerate(forensics.layout)}
+    mlp, proj = column[Series("blocks.0.mlp", "output")], column[Series("blocks.0.mlp.proj", "output")]
+    out = outputs["blocks.0.mlp.proj"].float()
+    assert norms[0, mlp] == norms[0, proj] == pytest.approx(float(out.norm() / math.sqrt(out.numel())), rel=1e-5)
+    for h in keep:
+        h.remove()
+    observers.close()
+
+
 # -- at the default cadence (stats.every=10): a cause between log steps -----------------------------------------
 BETWEEN = 25  # between the log steps 20 and 30
 GPT_TEXT = ["task=causal_lm", "model=gpt", "data=text_file", f"data.path={Path(__file__).parents[2] / 'benchmarks'}/"
