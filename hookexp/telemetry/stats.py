@@ -82,7 +82,7 @@ class TensorStats:
                             if p is not None]).view(layout.rows, layout.width)
         x = narrow.to(layout.wide)
         binned = _bin_values(narrow, layout) if self.hist_bins else None
-        signs = _signs(narrow, x.dtype)
+        signs = _signs(narrow)
         del narrow
         table = _partials(x, signs, layout)
         if ranks > 1:
@@ -161,6 +161,7 @@ class _Layout:
         row_n = [min(w, n - i * w) for n, r in zip(sizes, rows, strict=True) for i in range(r)]
         self.row_n = torch.tensor(row_n, dtype=self.wide, device=device)
         self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
+        self.count = self.sizes.clamp_min(1)  # what the sums are divided by
         self.rank_seg = tensor.repeat(ranks).to(device)
         self.pos = self.pos_seg = self.scale = None
         if hist_sample is not None and max(sizes) > hist_sample:  # else every element is counted, in place
@@ -172,16 +173,18 @@ class _Layout:
             taken = torch.tensor([len(p) for p in picks])
             self.pos_seg = tensor.repeat_interleave(taken).to(device)
             self.scale = (torch.tensor(sizes, dtype=torch.float64) / taken.clamp_min(1)).to(device, self.wide)
+        counted = self.row_seg[:, None] if self.pos is None else self.pos_seg  # the tensor of each value binned
+        self.bin_base = counted * (describer.hist_bins + 1)  # its first bin in the counts (an extra bin per tensor)
 
 
-def _signs(narrow: torch.Tensor, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _signs(narrow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of the joined tensors before widening (fewer bytes, the same signs): its nonzeros and its
-    negatives, as ``wide``; a NaN is nonzero and not negative, a pad (0) neither. Sums of signs: exact in
-    float32 (a row has at most 2^14 elements), and faster than counting booleans on a CPU."""
+    negatives, float32 (float64 for float64 tensors); a NaN is nonzero and not negative, a pad (0) neither. Sums
+    of signs: exact in float32 (a row has at most 2^14 elements), and faster than counting booleans on a CPU."""
     sign = (narrow if narrow.element_size() >= 4 else narrow.float()).nan_to_num(1.0).sign_()  # NaN as +1; a copy
     balance = sign.sum(1)  # positives - negatives
     nonzero = sign.abs_().sum(1)
-    return nonzero.to(wide), ((nonzero - balance) / 2).to(wide)
+    return nonzero, (nonzero - balance) / 2  # torch.stack widens them with the other columns
 
 
 def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout: _Layout) -> torch.Tensor:
@@ -195,7 +198,7 @@ def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout:
     seg, n = layout.row_seg, len(layout.sizes)
     (nonzero, negatives), total = signs, x.sum(1)
     absolute = torch.linalg.vector_norm(x, 1, dim=1)  # sum of |x|, without a copy of x
-    mean = x.new_zeros(n).index_add_(0, seg, total) / layout.sizes.clamp_min(1)
+    mean = x.new_zeros(n).index_add_(0, seg, total) / layout.count
     shift = mean.nan_to_num_(0.0, math.inf, -math.inf)[seg]  # a tensor with NaN or +-Inf: pads 0 or the Inf
     if len(layout.pad_at):
         x.view(-1).index_put_((layout.pad_at,), shift[layout.pad_row])
@@ -212,7 +215,7 @@ def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout:
     rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, negatives, absolute,
                         cubes, fourths], 1)
     sums = x.new_zeros(n, rows.shape[1]).index_add_(0, seg, rows)
-    e = x.new_zeros(n).index_add_(0, seg, deviations) / layout.sizes.clamp_min(1)  # the mean's rounding
+    e = x.new_zeros(n).index_add_(0, seg, deviations) / layout.count  # the mean's rounding
     s2, s3, s4 = sums[:, 2], sums[:, 6], sums[:, 7]
     out = x.new_zeros(n, COLUMNS)
     out[:, 0:2], out[:, 3:5], out[:, 7] = sums[:, 0:2], sums[:, 3:5], sums[:, 5]  # slices: a list index is a copy
@@ -259,7 +262,7 @@ def _histograms(values: torch.Tensor, seg: torch.Tensor, table: torch.Tensor, la
     flat = seg.view(-1)  # index_select: a plain gather, cheaper than indexing; ((x - lo) * bins) / (hi - lo)
     at = (values - lo.index_select(0, flat).view(seg.shape)).mul_(bins)
     at = at.div_((hi - lo).index_select(0, flat).view(seg.shape)).clamp_(0, bins - 1).nan_to_num_(bins).long()
-    at = at.add_(seg * (bins + 1)).view(-1)
+    at = at.add_(layout.bin_base).view(-1)
     counts = table.new_zeros(len(table) * (bins + 1)).index_add_(0, at, table.new_ones(1).expand(len(at)))
     counts = counts.view(-1, bins + 1)[:, :bins]
     return (counts if layout.scale is None else counts * layout.scale[:, None]).reshape(-1)
