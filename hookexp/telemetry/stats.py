@@ -173,8 +173,9 @@ class _Layout:
             taken = torch.tensor([len(p) for p in picks])
             self.pos_seg = tensor.repeat_interleave(taken).to(device)
             self.scale = (torch.tensor(sizes, dtype=torch.float64) / taken.clamp_min(1)).to(device, self.wide)
-        counted = self.row_seg[:, None] if self.pos is None else self.pos_seg  # the tensor of each value binned
-        self.bin_base = counted * (describer.hist_bins + 1)  # its first bin in the counts (an extra bin per tensor)
+        # each binned value's first bin in the counts: its tensor's (one extra bin per tensor takes the pads)
+        counted = self.row_seg[:, None] if self.pos is None else self.pos_seg
+        self.bin_base = counted * (describer.hist_bins + 1) if describer.hist_bins else None
 
 
 def _signs(narrow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,8 +192,8 @@ def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout:
     """``[tensors, COLUMNS]`` partials of this rank's elements (count, sum, squared deviations from the mean,
     zeros, negatives, min, max, sum of |x|, cubed and 4th-power deviations), from row-wise reductions summed
     per tensor, with the rows' nonzeros and negatives (``signs``, :func:`_signs`); ``x`` is used up. The pads,
-    zeros from ``torch.cat`` while the sums and |x| are counted,
-    are then set to their tensor's mean: they keep min and max, and add nothing to the deviations. Two passes,
+    zeros from ``torch.cat`` while the sums and |x| are counted, are then set to their tensor's mean: they keep
+    min and max, and add nothing to the deviations. Two passes,
     the second's powers corrected by its sum (shifted sums): exact however large the mean is against the
     spread, in float64 and in MPS's float32. NaN is nonzero and not negative; min and max propagate it."""
     seg, n = layout.row_seg, len(layout.sizes)
