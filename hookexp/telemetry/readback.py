@@ -53,5 +53,8 @@ def read(pending: Iterable[Pending]) -> dict[str, Any]:
 
 def split_histograms(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(scalars, histograms) of what :func:`read` gave: the ``.../hist`` keys hold ``(counts, edges)`` pairs."""
-    hists = {k: v for k, v in values.items() if k.endswith("/hist")}
-    return {k: v for k, v in values.items() if not k.endswith("/hist")}, hists
+    scalars: dict[str, Any] = {}
+    hists: dict[str, Any] = {}
+    for k, v in values.items():
+        (hists if k.endswith("/hist") else scalars)[k] = v
+    return scalars, hists

@@ -78,11 +78,13 @@ class TensorStats:
         if len(self._layouts) > 8:  # e.g. activations of a smaller last batch: a few layouts, the oldest go
             self._layouts.popitem(last=False)
 
-        x = torch.cat([p for t, pad in zip(local, layout.pads, strict=True) for p in (t.reshape(-1), pad)
-                       if p is not None])
-        x = x.to(layout.wide).view(layout.rows, layout.width)
-        binned = _bin_values(x, layout) if self.hist_bins else None
-        table = _partials(x, layout)
+        narrow = torch.cat([p for t, pad in zip(local, layout.pads, strict=True) for p in (t.reshape(-1), pad)
+                            if p is not None]).view(layout.rows, layout.width)
+        x = narrow.to(layout.wide)
+        binned = _bin_values(narrow, layout) if self.hist_bins else None
+        signs = _signs(narrow)
+        del narrow
+        table = _partials(x, signs, layout)
         if ranks > 1:
             everyone = table.new_empty(ranks * len(keys), COLUMNS)
             getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, table, group=self.group)
@@ -141,6 +143,7 @@ class _Layout:
                  higher: int = 0):
         hist_sample = describer.hist_sample
         self.keys = [[f"{k}/{s}" for s in describer.stats] for k in keys]  # the decoder's, made once
+        self.flat_keys = [k for row in self.keys for k in row]
         self.hist_keys = [f"{k}/hist" for k in keys]
         sizes = [t.numel() for t in local]
         device, self.wide = local[0].device, wide_dtype(local[0].device)
@@ -158,6 +161,7 @@ class _Layout:
         row_n = [min(w, n - i * w) for n, r in zip(sizes, rows, strict=True) for i in range(r)]
         self.row_n = torch.tensor(row_n, dtype=self.wide, device=device)
         self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
+        self.count = self.sizes.clamp_min(1)  # what the sums are divided by
         self.rank_seg = tensor.repeat(ranks).to(device)
         self.pos = self.pos_seg = self.scale = None
         if hist_sample is not None and max(sizes) > hist_sample:  # else every element is counted, in place
@@ -169,27 +173,37 @@ class _Layout:
             taken = torch.tensor([len(p) for p in picks])
             self.pos_seg = tensor.repeat_interleave(taken).to(device)
             self.scale = (torch.tensor(sizes, dtype=torch.float64) / taken.clamp_min(1)).to(device, self.wide)
+        # each binned value's first bin in the counts: its tensor's (one extra bin per tensor takes the pads)
+        counted = self.row_seg[:, None] if self.pos is None else self.pos_seg
+        self.bin_base = counted * (describer.hist_bins + 1) if describer.hist_bins else None
 
 
-def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+def _signs(narrow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the joined tensors before widening (fewer bytes, the same signs): its nonzeros and its
+    negatives, float32 (float64 for float64 tensors); a NaN is nonzero and not negative, a pad (0) neither. Sums
+    of signs: exact in float32 (a row has at most 2^14 elements), and faster than counting booleans on a CPU."""
+    sign = (narrow if narrow.element_size() >= 4 else narrow.float()).nan_to_num(1.0).sign_()  # NaN as +1; a copy
+    balance = sign.sum(1)  # positives - negatives
+    nonzero = sign.abs_().sum(1)
+    return nonzero, (nonzero - balance) / 2  # torch.stack widens them with the other columns
+
+
+def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout: _Layout) -> torch.Tensor:
     """``[tensors, COLUMNS]`` partials of this rank's elements (count, sum, squared deviations from the mean,
     zeros, negatives, min, max, sum of |x|, cubed and 4th-power deviations), from row-wise reductions summed
-    per tensor; ``x`` is used up. The pads, zeros from ``torch.cat`` while the sums, |x| and signs are counted,
-    are then set to their tensor's mean: they keep min and max, and add nothing to the deviations. Two passes,
+    per tensor, with the rows' nonzeros and negatives (``signs``, :func:`_signs`); ``x`` is used up. The pads,
+    zeros from ``torch.cat`` while the sums and |x| are counted, are then set to their tensor's mean: they keep
+    min and max, and add nothing to the deviations. Two passes,
     the second's powers corrected by its sum (shifted sums): exact however large the mean is against the
     spread, in float64 and in MPS's float32. NaN is nonzero and not negative; min and max propagate it."""
     seg, n = layout.row_seg, len(layout.sizes)
-    total = x.sum(1)
+    (nonzero, negatives), total = signs, x.sum(1)
     absolute = torch.linalg.vector_norm(x, 1, dim=1)  # sum of |x|, without a copy of x
-    sign = x.nan_to_num(1.0).sign_()  # NaN as +1: nonzero, not negative
-    balance = sign.sum(1)  # positives - negatives
-    nonzero = sign.abs_().sum(1)  # positives + negatives
-    del sign
-    mean = x.new_zeros(n).index_add_(0, seg, total) / layout.sizes.clamp_min(1)
+    mean = x.new_zeros(n).index_add_(0, seg, total) / layout.count
     shift = mean.nan_to_num_(0.0, math.inf, -math.inf)[seg]  # a tensor with NaN or +-Inf: pads 0 or the Inf
     if len(layout.pad_at):
         x.view(-1).index_put_((layout.pad_at,), shift[layout.pad_row])
-    lo, hi = x.amin(1), x.amax(1)
+    lo, hi = torch.aminmax(x, dim=1) if x.is_cuda else (x.amin(1), x.amax(1))  # one pass where it is fused
     deviations = x.sub_(shift[:, None]).sum(1)  # what the mean's rounding leaves: taken out of the powers
     cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
     if layout.higher_rows:  # only the tensors whose kurtosis is wanted (activations), not every gradient
@@ -199,10 +213,10 @@ def _partials(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
         fourths[:layout.higher_rows] = square.square_().sum(1)
         del square
     squares = x.square_().sum(1)
-    rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, (nonzero - balance) / 2, absolute,
+    rows = torch.stack([layout.row_n, total, squares, layout.row_n - nonzero, negatives, absolute,
                         cubes, fourths], 1)
     sums = x.new_zeros(n, rows.shape[1]).index_add_(0, seg, rows)
-    e = x.new_zeros(n).index_add_(0, seg, deviations) / layout.sizes.clamp_min(1)  # the mean's rounding
+    e = x.new_zeros(n).index_add_(0, seg, deviations) / layout.count  # the mean's rounding
     s2, s3, s4 = sums[:, 2], sums[:, 6], sums[:, 7]
     out = x.new_zeros(n, COLUMNS)
     out[:, 0:2], out[:, 3:5], out[:, 7] = sums[:, 0:2], sums[:, 3:5], sums[:, 5]  # slices: a list index is a copy
@@ -246,8 +260,10 @@ def _histograms(values: torch.Tensor, seg: torch.Tensor, table: torch.Tensor, la
     lo, hi = table[:, 5], table[:, 6]
     one = hi <= lo  # one value: a unit-wide range around it, as the bin edges
     lo, hi = torch.where(one, lo - 0.5, lo).float(), torch.where(one, hi + 0.5, hi).float()
-    at = ((values - lo[seg]) * bins / (hi - lo)[seg]).clamp_(0, bins - 1).nan_to_num_(bins).long()
-    at = at.add_(seg * (bins + 1)).view(-1)
+    flat = seg.view(-1)  # index_select: a plain gather, cheaper than indexing; ((x - lo) * bins) / (hi - lo)
+    at = (values - lo.index_select(0, flat).view(seg.shape)).mul_(bins)
+    at = at.div_((hi - lo).index_select(0, flat).view(seg.shape)).clamp_(0, bins - 1).nan_to_num_(bins).long()
+    at = at.add_(layout.bin_base).view(-1)
     counts = table.new_zeros(len(table) * (bins + 1)).index_add_(0, at, table.new_ones(1).expand(len(at)))
     counts = counts.view(-1, bins + 1)[:, :bins]
     return (counts if layout.scale is None else counts * layout.scale[:, None]).reshape(-1)
@@ -267,9 +283,11 @@ def _decode(host: np.ndarray, layout: _Layout, stats: list[str], bins: int) -> d
                "min": lo, "max": hi, "frac_zero": zeros / n, "frac_neg": negs / n, "abs_mean": absolute / n,
                "kurtosis": np.where(finite & (squares > 0) & (np.arange(n_tensors) < layout.higher),
                                     n * fourths / (squares * squares), np.nan)}
-    rows = np.stack([col[s] for s in stats], 1).tolist()
-    out: dict[str, Any] = {k: v for i in np.flatnonzero(n).tolist()
-                           for k, v in zip(layout.keys[i], rows[i], strict=True)}
+    rows = np.stack([col[s] for s in stats], 1)
+    if n.all():  # no empty tensor: one zip of the keys made once
+        out: dict[str, Any] = dict(zip(layout.flat_keys, rows.ravel().tolist(), strict=True))
+    else:
+        out = {k: v for i in np.flatnonzero(n).tolist() for k, v in zip(layout.keys[i], rows[i].tolist(), strict=True)}
     if bins:
         counts = np.asarray(host[n_tensors * COLUMNS:], dtype=np.float64).reshape(n_tensors, bins)
         drawn = np.flatnonzero(finite).tolist()

@@ -78,6 +78,21 @@ def test_every_statistic_equals_a_float64_reference(dtype):
     assert set(got) == {f"{k}/{s}" for k in tensors for s in STATS}
 
 
+def test_zeros_and_negatives_of_wide_bf16_rows_are_counted_exactly():
+    """bf16 tensors that fill whole rows of 512 (no pad, so no float32 in the join): each row holds more zeros
+    and negatives than bf16 counts exactly (above 256, only even numbers)."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 18
+    tensors = {"mostly_zero": torch.randn(n, generator=g).where(torch.rand(n, generator=g) < 0.4, 0.0).bfloat16(),
+               "mostly_negative": (-0.1 - torch.rand(n, generator=g)).where(torch.rand(n, generator=g) < 0.9, 0.0)
+               .bfloat16()}
+    got = describe(tensors)
+    for key, t in tensors.items():
+        assert got[f"{key}/frac_zero"] == (t == 0).double().mean().item()
+        assert got[f"{key}/frac_neg"] == (t < 0).double().mean().item()
+    assert_stats(got, tensors)
+
+
 def test_abs_mean_and_kurtosis_of_known_distributions():
     """Pearson's kurtosis (not excess): 3 for a normal, 1.8 for a uniform, 1 for two equally likely values."""
     torch.manual_seed(0)
