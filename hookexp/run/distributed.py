@@ -289,5 +289,8 @@ def wrap(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torch
 
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if trainer.compile:
+        # Dynamo's caches are the process's: an earlier run's graph of the same model class (a sweep's previous job,
+        # traced with other hooks) would pass its guards and run without this run's hooks
+        torch._dynamo.reset()
         forward = torch.compile(forward, backend=trainer.compile_backend)
     return forward

@@ -107,3 +107,13 @@ def test_what_cannot_trace_breaks_the_graph_under_compile(tmp_path, setting, bre
     train(config("trainer.compile=true", "trainer.compile_backend=eager", "trainer.max_steps=3", setting),
           tmp_path / "run")
     assert (sum(counters["graph_break"].values()) > 0) is breaks
+
+
+def test_a_second_compiled_run_in_the_process_runs_its_own_hooks(tmp_path):
+    """A sweep runs its jobs in one process: the second job's model (the same class, other hooks) must not run the
+    first job's compiled graph, which Dynamo's guards would let it (its hooks then never run)."""
+    common = ("trainer.compile=true", "trainer.compile_backend=eager", "trainer.max_steps=2",
+              "guard.forensics.window=0")
+    train(config(*common), tmp_path / "first")
+    second = train(config(*common, "hooks=clamp_conv"), tmp_path / "second")
+    assert second["hook/clamp_conv/calls"] == 4  # output_grad on conv1 and conv2, two steps
