@@ -96,6 +96,23 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory) -> Path:
+    """The README's quick start, command 1 (``python -m hookexp hooks=clamp_conv``), run once as it stands there in
+    a fresh directory, as a user pastes it: its run directory, read by tests/test_readme.py (the figure the README
+    quotes) and tests/run/test_cli.py (the files and the W&B run of the main job)."""
+    import re
+
+    from docblocks import README, run, section, user_env
+
+    command = re.search(r"Command 1 is `(python -m hookexp [^`]*)`", section(README, "Quick start")).group(1)
+    cwd = tmp_path_factory.mktemp("quick_start")
+    done = run(f"{command} trainer.progress=false", cwd, user_env())  # python: the venv's
+    assert done.returncode == 0, done.stderr[-3000:]
+    (summary,) = cwd.glob("outputs/**/summary.json")
+    return summary.parent
+
+
 def has_module(name: str) -> bool:
     """Whether ``name`` imports; False also when a parent package is missing (``hydra_plugins`` is a namespace
     package that exists only once some Hydra plugin is installed)."""

@@ -13,11 +13,10 @@ from hookexp.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
-def clamp_run(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("cli")
-    done = run_cli(["hooks=clamp_conv", "hydra.run.dir=run"], cwd)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return cwd / "run"
+def clamp_run(quick_start) -> Path:
+    """``python -m hookexp hooks=clamp_conv``: the README's quick start, run once for this file and
+    tests/test_readme.py."""
+    return quick_start
 
 
 def test_main_job_trains_and_writes_its_files(clamp_run):
