@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import HELPERS, read_jsonl, run_cli, wandb_history, wandb_summary
+from conftest import HELPERS, config, read_jsonl, run_cli, wandb_history, wandb_summary
 
-from hookexp.errors import ConfigError
+from hookexp.errors import ConfigError, HookexpError
+from hookexp.run.loop import run_job as train
 
 
 @pytest.fixture(scope="module")
@@ -258,20 +260,27 @@ def test_failure_inside_a_hook_keeps_metrics_and_marks_the_wandb_run_failed(work
     assert wb["exit_code"] == 1 and wb["state"] != "finished"
 
 
-@pytest.mark.parametrize("args", [["logger=none"], ["logger.mode=disabled"]])
-def test_without_wandb_the_local_files_are_still_written(args, workdir):
-    done = run_cli([*args, "trainer.max_steps=3", "hydra.run.dir=run"], workdir)
-    assert done.returncode == 0, done.stderr[-2000:]
+@pytest.mark.parametrize("args", [[], ["logger=wandb", "logger.mode=disabled"]],
+                         ids=["logger=none", "logger.mode=disabled"])  # config() has logger=none
+def test_without_wandb_the_local_files_are_still_written(args, workdir, monkeypatch):
+    """In process: what W&B's mode decides is the run layer's (the command line's own handling of WANDB_MODE is
+    test_an_invalid_wandb_mode_in_the_environment_is_named's)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    summary = train(config(*args, "trainer.max_steps=3"), workdir / "run")
+    assert summary["status"] == "finished"
     assert not (workdir / "run" / "wandb").exists()
     assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 2, 2]
 
 
 @pytest.mark.parametrize(("environment", "args", "writes_wandb"), [("disabled", [], False),
                                                                    ("offline", ["logger.mode=disabled"], True)])
-def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, writes_wandb, workdir):
-    """CI switches W&B off with WANDB_MODE=disabled; any valid WANDB_MODE wins, as W&B users expect."""
-    done = run_cli([*args, "trainer.max_steps=2", "hydra.run.dir=run"], workdir, env={"WANDB_MODE": environment})
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_wandb_mode_in_the_environment_wins_over_logger_mode(environment, args, writes_wandb, workdir, monkeypatch):
+    """CI switches W&B off with WANDB_MODE=disabled; any valid WANDB_MODE wins, as W&B users expect (in process:
+    the run layer reads it)."""
+    monkeypatch.setenv("WANDB_MODE", environment)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summary = train(config("logger=wandb", *args, "trainer.max_steps=2"), workdir / "run")
+    assert summary["status"] == "finished"
     assert (workdir / "run" / "wandb").exists() == writes_wandb
     assert [r["trainer/step"] for r in read_jsonl(workdir / "run" / "metrics.jsonl")] == [0, 1, 1]
     if writes_wandb:
@@ -410,18 +419,21 @@ def test_a_batch_the_model_cannot_take_names_the_data_and_the_fix(workdir):
     assert "Traceback" not in done.stderr
 
 
-def test_a_type_error_inside_the_model_is_not_blamed_on_the_batch(workdir):
-    """Only the model's own forward refusing the batch is explained; a bug inside the model keeps its traceback."""
+def test_a_type_error_inside_the_model_is_not_blamed_on_the_batch(workdir, monkeypatch):
+    """Only the model's own forward refusing the batch is explained (a HookexpError: the command line's paragraph);
+    a bug inside the model stays the model's own TypeError (the command line keeps its traceback). In process."""
     (workdir / "buggy.py").write_text(
         "import torch\n\n"
         "class Net(torch.nn.Module):\n"
         "    def __init__(self, **kwargs):\n        super().__init__()\n        self.fc = torch.nn.Linear(64, 10)\n\n"
         "    def forward(self, x):\n        return self.fc(x.flatten(1), x)  # a bug: Linear takes one input\n")
-    done = run_cli(["model._target_=buggy.Net", "hydra.run.dir=run", "logger=none"], workdir,
-                   env={"PYTHONPATH": str(workdir)})
-    assert done.returncode != 0
-    assert "Linear.forward() takes 2 positional arguments but 3 were given" in done.stderr
-    assert "the model cannot take a training batch" not in done.stderr
+    monkeypatch.syspath_prepend(str(workdir))
+    monkeypatch.delitem(sys.modules, "buggy", raising=False)  # removed again after the test
+    with pytest.raises(TypeError) as e:
+        train(config("model._target_=buggy.Net"), workdir / "run")
+    assert type(e.value) is TypeError and not isinstance(e.value, HookexpError)
+    assert "Linear.forward() takes 2 positional arguments but 3 were given" in str(e.value)
+    assert "the model cannot take a training batch" not in str(e.value)
 
 
 def test_the_resume_command_keeps_where_the_configs_came_from():
