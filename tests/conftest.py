@@ -39,6 +39,18 @@ def hydra_conf():
 FORENSICS_ON = "guard.forensics.window=32"
 
 
+@pytest.fixture(autouse=True)
+def _no_grad_norm_plot(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs draw no gradient-norm plot unless the test is marked ``grad_norm_plot``: matplotlib's
+    figure is most of a short run's time on this CPU, and only the marked tests read it. Child processes (every CLI
+    test, the docs pages) always draw it; tests/analysis/test_report.py draws it directly. The stand-in is the
+    plot's own answer for a run that logged no gradient norm (None: no file, no image logged)."""
+    if request.node.get_closest_marker("grad_norm_plot") is None:
+        import hookexp.run.trainer
+
+        monkeypatch.setattr(hookexp.run.trainer, "plot_grad_norms", lambda metrics_path, out_path: None)
+
+
 def config(*overrides: str):
     """The config ``python -m hookexp OVERRIDES`` composes, with W&B off, no progress bar and no forensics buffer
     (``FORENSICS_ON`` turns it back on): what the tests train in process with :func:`hookexp.run.loop.run_job`."""
