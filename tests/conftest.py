@@ -39,6 +39,18 @@ def hydra_conf():
 FORENSICS_ON = "guard.forensics.window=32"
 
 
+@pytest.fixture(autouse=True)
+def _no_grad_norm_plot(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs draw no gradient-norm plot unless the test is marked ``grad_norm_plot``: matplotlib's
+    figure is most of a short run's time on this CPU, and only the marked tests read it. Child processes (every CLI
+    test, the docs pages) always draw it; tests/analysis/test_report.py draws it directly. The stand-in is the
+    plot's own answer for a run that logged no gradient norm (None: no file, no image logged)."""
+    if request.node.get_closest_marker("grad_norm_plot") is None:
+        import hookexp.run.trainer
+
+        monkeypatch.setattr(hookexp.run.trainer, "plot_grad_norms", lambda metrics_path, out_path: None)
+
+
 def config(*overrides: str):
     """The config ``python -m hookexp OVERRIDES`` composes, with W&B off, no progress bar and no forensics buffer
     (``FORENSICS_ON`` turns it back on): what the tests train in process with :func:`hookexp.run.loop.run_job`."""
@@ -94,6 +106,23 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory) -> Path:
+    """The README's quick start, command 1 (``python -m hookexp hooks=clamp_conv``), run once as it stands there in
+    a fresh directory, as a user pastes it: its run directory, read by tests/test_readme.py (the figure the README
+    quotes) and tests/run/test_cli.py (the files and the W&B run of the main job)."""
+    import re
+
+    from docblocks import README, run, section, user_env
+
+    command = re.search(r"Command 1 is `(python -m hookexp [^`]*)`", section(README, "Quick start")).group(1)
+    cwd = tmp_path_factory.mktemp("quick_start")
+    done = run(f"{command} trainer.progress=false", cwd, user_env())  # python: the venv's
+    assert done.returncode == 0, done.stderr[-3000:]
+    (summary,) = cwd.glob("outputs/**/summary.json")
+    return summary.parent
 
 
 def has_module(name: str) -> bool:

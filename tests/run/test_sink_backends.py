@@ -33,6 +33,7 @@ def same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+@pytest.mark.grad_norm_plot
 def test_tensorboard_holds_the_local_files_scalars_histograms_and_the_hooks_table(tmp_path: Path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing import event_accumulator as ea

@@ -85,6 +85,7 @@ def test_a_hook_changes_training(tmp_path: Path):
     assert rows and all(r["grad/fc1.bias/norm"] == 0.0 and r["grad/fc1.bias/frac_zero"] == 1.0 for r in rows)
 
 
+@pytest.mark.grad_norm_plot
 def test_plot_and_histograms_reach_the_files_and_wandb(tmp_path: Path):
     from conftest import wandb_history, wandb_summary
 
@@ -455,6 +456,7 @@ def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path:
     assert (built["input_dim"], built["output_dim"]) == (4, 5)
 
 
+@pytest.mark.grad_norm_plot  # the refusal lists the run's files, plots/ among them
 def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_path: Path):
     """A script calling hookexp.run.train twice into one directory: train() takes resume= and overwrite=, and
     its errors name them (not the command line's +overwrite=true)."""
