@@ -76,6 +76,23 @@ def test_digits_keeps_its_values_and_split():
     assert torch.equal(other.val.y, y[hand_split(1797, 0.5, 3)[1]])
 
 
+def test_digits_read_sklearns_file_without_importing_sklearn_datasets_or_fall_back_to_it(monkeypatch):
+    """``sklearn.datasets`` takes ~1.4 s to import, in every run's start: the file it reads is read directly."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    code = ("import sys; from hookexp.workloads.data.arrays import digits; digits(); "
+            "print('sklearn.datasets' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
+    direct = digits()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+    fallback = digits()  # where the file is not found: load_digits itself
+    assert torch.equal(fallback.train.x, direct.train.x) and torch.equal(fallback.val.y, direct.val.y)
+
+
 def test_synthetic_images_are_labelled_by_their_teacher():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(100, 2, 6, 6, generator=gen)
