@@ -119,6 +119,7 @@ class Forensics(Observer):
         self._normed: list[torch.Tensor] = []
         self._count = 0  # tensors pended this step
         self._last: torch.Tensor | None = None  # the output of the module whose forward ended last
+        self._last_at = -1  # where its norm is among the step's
         self.calls: list[tuple[int, int, int]] = []
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.modules)]
         # an in-place module (ReLU(inplace=True)) overwrites its input: norm what is pending before it runs
@@ -150,19 +151,19 @@ class Forensics(Observer):
             if out is None:
                 return
             inp = _first_float_tensor(args)
-            last_at, at = self._count - 1, -1  # last_at: where the output normed last is
+            at = -1
             if inp is not None and inp is self._last:
-                at = last_at  # the input is the output normed last: no second kernel
+                at = self._last_at  # the input is the output normed last: no second kernel
             elif inp is not None:
                 self._pending.append(inp)
                 at, self._count = self._count, self._count + 1
             if out is self._last and inp is not out:  # a container returning its last child's output: that norm
-                self.calls.append((index, last_at, at))  # (an in-place module's output is its input: normed anew)
+                self.calls.append((index, self._last_at, at))  # (an in-place module's output is its input: anew)
                 return
             self._pending.append(out)
             self.calls.append((index, self._count, at))
+            self._last, self._last_at = out, self._count
             self._count += 1
-            self._last = out
         return hook
 
     def _flush(self, *args: Any) -> None:
@@ -187,6 +188,7 @@ class Forensics(Observer):
         if not self.committed:
             self._commit()  # the previous step ran no update (skipped): keep what it recorded
         self.calls, self._pending, self._normed, self._count, self._last = [], [], [], 0, None
+        self._last_at = -1
         self.step, self.committed, self._grads, self._after = step, False, None, None
 
     def _grad_norms(self) -> None:

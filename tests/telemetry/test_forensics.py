@@ -391,6 +391,37 @@ def test_every_norm_list_is_one_dtype_and_dense_and_a_container_reuses_its_last_
     observers.close()
 
 
+def test_nested_containers_each_hold_their_own_output_and_input_norms():
+    """A stage returns its last block's output, which returns its last layer's: one norm serves the three, and each
+    container's input column holds its own input's norm, not the norm taken last."""
+    torch.manual_seed(0)
+    block = nn.Sequential(OrderedDict(fc=nn.Linear(4, 6), act=nn.Tanh()))
+    net = nn.Sequential(OrderedDict(stage=nn.Sequential(OrderedDict(block=block)), head=nn.Linear(6, 2)))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    forensics = Forensics(net, opt, ForensicsConfig(window=4))
+    observers = Observers({"forensics": forensics}, opt)
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    names = ("stage", "stage.block", "stage.block.fc", "stage.block.act", "head")
+    keep = [net.get_submodule(n).register_forward_hook(
+        lambda m, a, o, n=n: seen.__setitem__(n, (a[0].detach().clone(), o.detach().clone()))) for n in names]
+    x = torch.randn(8, 4) * 3
+    observers.start(0, False)
+    net(x).sum().backward()
+    opt.step()
+    observers.end(0)
+    rms = lambda t: float(t.norm() / math.sqrt(t.numel()))  # noqa: E731
+    assert rms(seen["stage"][0]) != pytest.approx(rms(seen["stage"][1]), rel=1e-2)  # input and output differ
+    _, norms, ins = forensics.history()
+    column = {s.name: j for j, s in enumerate(forensics.layout) if s.family == "output"}
+    for name in names:
+        inp, out = seen[name]
+        assert norms[0, column[name]] == pytest.approx(rms(out), rel=1e-5), name
+        assert ins[0, column[name]] == pytest.approx(rms(inp), rel=1e-5), name
+    for h in keep:
+        h.remove()
+    observers.close()
+
+
 # -- at the default cadence (stats.every=10): a cause between log steps -----------------------------------------
 BETWEEN = 25  # between the log steps 20 and 30
 GPT_TEXT = ["task=causal_lm", "model=gpt", "data=text_file", f"data.path={Path(__file__).parents[2] / 'benchmarks'}/"
