@@ -96,18 +96,28 @@ def traced_tensors(site: Site, xs: list[torch.Tensor], training: bool, tokens: t
     """The spec's transform on ``xs``, traced: each result where the call acts, else the input
     (``torch.where`` on the flag ``hookexp::enter`` returns); the effects measured by ``hookexp::observe``. None
     (nothing traced, nothing counted) where the eager hook must run instead: a result that is not a tensor like its
-    input, or that no longer requires grad (a cut graph, which the eager hook warns about)."""
+    input, or that no longer requires grad (a cut graph, which the eager hook warns about). The transform sees the
+    input only where the call acts, elsewhere a detached copy: its backward never runs on the live graph there
+    (0 x inf would be NaN) and an in-place transform never writes the module's tensor."""
     b = site.binding
     tf = b.transform
-    ys = [tf.call(x, None) if tf.wants_ctx else tf.call(x) for x in xs]
-    for x, y in zip(xs, ys, strict=True):
+
+    def call(x: torch.Tensor) -> Any:
+        return tf.call(x, None) if tf.wants_ctx else tf.call(x)
+
+    for x in xs:  # a trial on a copy decides; its ops are dead code that the compiler drops
+        y = call(x.clone())
         if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
             return None
         if x.requires_grad and not y.requires_grad and torch.is_grad_enabled():
             return None
     enter, measure = tokens
     acts = traced.enter(xs[0], enter, int(training))
-    outs = [x if y is x else torch.where(acts, y, x) for x, y in zip(xs, ys, strict=True)]
+    outs = []
+    for x in xs:
+        seen = torch.where(acts, x, x.detach())
+        y = call(seen)
+        outs.append(x if y is seen else torch.where(acts, y, x))
     traced.observe([acts, *(t for pair in zip(xs, outs, strict=True) for t in pair)], measure)
     return outs
 

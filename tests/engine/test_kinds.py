@@ -294,6 +294,28 @@ def test_output_grad_runs_any_transform_under_compile_without_a_graph_break(tran
     assert (stats_c["change_norm"] > 0) is (transform == "noise")
 
 
+@pytest.mark.parametrize("kind", ["forward_pre", "forward"])
+def test_a_traced_transform_outside_its_window_touches_neither_values_nor_gradients(kind):
+    """Compiled, the transform is in the graph on every call: where the spec does not act it sees a detached copy,
+    so a transform whose backward is infinite there (sqrt at 0) gives no NaN gradient and an in-place one writes
+    nothing of the module's (eager: the hook does not run at all)."""
+    from hookexp.engine.registry import TRANSFORMS, register_transform
+
+    mine = {"root_of_relu": lambda x, ctx=None: x.relu().sqrt(), "halve_in_place": lambda x, ctx=None: x.mul_(0.5)}
+    try:
+        for name, fn in mine.items():
+            register_transform(name, needs_ctx=False)(fn)
+        for transform in mine:
+            spec = {"target": "block", "kind": kind, "transform": transform, "start_step": 5}  # not in 2 steps
+            ((out_e, grads_e, _), (out_c, grads_c, _)), breaks = _eager_and_compiled(spec, "aot_eager", 2)
+            assert breaks == 0 and torch.equal(out_e, out_c), transform
+            assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_c, strict=True)), transform
+            assert all(torch.isfinite(g).all() for g in grads_c if g is not None), transform
+    finally:
+        for name in mine:
+            TRANSFORMS.pop(name, None)
+
+
 def test_without_the_operators_forward_kinds_run_eagerly_under_compile(monkeypatch):
     """torch < 2.4 has no ``torch.library.custom_op``: the forward-side hooks then run eagerly under compile (a
     graph break at the target), with the same results."""
