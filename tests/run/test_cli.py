@@ -432,9 +432,11 @@ def test_a_type_error_inside_the_model_is_not_blamed_on_the_batch(workdir, monke
         "    def __init__(self, **kwargs):\n        super().__init__()\n        self.fc = torch.nn.Linear(64, 10)\n\n"
         "    def forward(self, x):\n        return self.fc(x.flatten(1), x)  # a bug: Linear takes one input\n")
     monkeypatch.syspath_prepend(str(workdir))
-    monkeypatch.delitem(sys.modules, "buggy", raising=False)  # removed again after the test
-    with pytest.raises(TypeError) as e:
-        train(config("model._target_=buggy.Net"), workdir / "run")
+    try:
+        with pytest.raises(TypeError) as e:
+            train(config("model._target_=buggy.Net"), workdir / "run")
+    finally:
+        sys.modules.pop("buggy", None)  # another test's buggy.py must not find this one imported
     assert type(e.value) is TypeError and not isinstance(e.value, HookexpError)
     assert "Linear.forward() takes 2 positional arguments but 3 were given" in str(e.value)
     assert "the model cannot take a training batch" not in str(e.value)

@@ -25,7 +25,8 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     sinks) to the start of the next: any synchronising CUDA call on the steps between (an .item(), a
     blocking copy, a data-dependent shape) raises. Hooks of three stages and every statistic are on, the gradient
     noise scale (over two micro-batches), the forensics ring buffer, the guard's and the spike recorder's every-step
-    judgements (their values reach the host through pinned memory) too."""
+    judgements (their values reach the host through pinned memory) too. The debug mode does not see an event's
+    wait: a rollback snapshot waits on one for the spike recorder's last value, which this cannot count."""
     start, log, evaluate = Observers.start, Sinks.log, Trainer.evaluate
     modes: dict[int, int] = {}
 
