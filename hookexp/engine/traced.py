@@ -80,8 +80,10 @@ if AVAILABLE:
     def _grad(grad: torch.Tensor, token: int, key: str) -> torch.Tensor:
         fn = _callback(token)
         new = fn(grad, _key(key)) if fn is not None else None
-        if new is None or new.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        if new is None:
             return grad.clone()  # an operator's output never aliases its input
+        if new.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+            new = new.clone()  # the gradient itself, or a view of it (grad.t()): its values, in a new tensor
         if new.stride() != grad.stride():  # the layout the fake kernel promised
             return torch.empty_like(grad).copy_(new)
         return new
