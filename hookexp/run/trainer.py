@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from hookexp.analysis.plots import plot_grad_norms
 from hookexp.config import GuardConfig, StatsConfig, typed
 from hookexp.engine import HookHandle, attach
 from hookexp.engine.dryrun import hooks_summary
+from hookexp.errors import ConfigError
 from hookexp.goals import lower_is_better
 from hookexp.run import distributed
 from hookexp.run.build import Parts
@@ -46,6 +48,23 @@ log = logging.getLogger("hookexp.train")
 
 def hook_specs(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg.hooks, resolve=True)  # type: ignore[return-value]
+
+
+def compile_failure(e: RuntimeError) -> ConfigError | None:
+    """torch.compile's own error (Dynamo tracing the model and its hooks, or the backend compiling) as a paragraph
+    naming the setting, or None for any other error."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    if exc is None or not isinstance(e, exc.TorchDynamoException):
+        return None
+    text = str(e)
+    # Dynamo words a failing op as "... got RuntimeError('a and b must have same reduction dim, ...')"
+    found = re.search(r"got (\w+)\((['\"])(.*?)\2\)", text)
+    cause = f"{found.group(1)}: {found.group(3)}" if found else (text.strip().splitlines() or [type(e).__name__])[0]
+    return ConfigError(f"torch.compile failed on the model and its hooks ({cause.rstrip('.')}). "
+                       "A hook spec's transform that fails "
+                       "on its target fails here as torch's compile error: run once with trainer.compile=false, and "
+                       "hookexp names the spec and the target. Without a C++ compiler, "
+                       "trainer.compile_backend=aot_eager compiles no kernels.", key="trainer.compile")
 
 
 class StepResult(NamedTuple):
@@ -318,6 +337,8 @@ class Trainer:
             yield
         except RuntimeError as e:
             better = self.hooks.explain(e)
+            if better is None and self.cfg.trainer.compile:
+                better = compile_failure(e)
             if better is None:
                 raise
             raise better from e

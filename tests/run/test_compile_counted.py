@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import config
 
 import hookexp
@@ -117,3 +118,23 @@ def test_a_second_compiled_run_in_the_process_runs_its_own_hooks(tmp_path):
     train(config(*common), tmp_path / "first")
     second = train(config(*common, "hooks=clamp_conv"), tmp_path / "second")
     assert second["hook/clamp_conv/calls"] == 4  # output_grad on conv1 and conv2, two steps
+
+
+def test_a_transform_that_fails_while_dynamo_traces_gets_a_paragraph_naming_the_setting(tmp_path):
+    """A forward transform that cannot run on its target fails inside Dynamo's tracing, as torch's compile error:
+    the run says so in a paragraph that names trainer.compile and the way to the failing spec, no raw traceback."""
+    from hookexp.engine.registry import TRANSFORMS, register_transform
+    from hookexp.errors import ConfigError
+
+    register_transform("wrong_width", needs_ctx=False)(lambda x, ctx=None: x @ torch.ones(x.shape[-1] + 1, 3))
+    try:
+        with pytest.raises(ConfigError) as e:
+            train(config("trainer.compile=true", "trainer.compile_backend=eager", "trainer.max_steps=1",
+                         "+hooks.w={target:fc1,kind:forward,transform:wrong_width}"), tmp_path / "run")
+    finally:
+        TRANSFORMS.pop("wrong_width", None)
+    text = str(e.value)
+    assert text.startswith("trainer.compile: torch.compile failed on the model and its hooks (RuntimeError: a and b "
+                           "must have same reduction dim")
+    assert "run once with trainer.compile=false, and hookexp names the spec and the target" in text
+    assert "\n" not in text
