@@ -512,3 +512,21 @@ def test_the_spike_warning_names_spikes_jsonl_and_the_heatmap(tmp_path: Path, ca
     heatmap = tmp_path / "forensics" / f"step_{at}.png"
     assert warning.endswith(f"; its row: {tmp_path / 'spikes.jsonl'}, which layer went first: {heatmap}"), warning
     assert (tmp_path / "spikes.jsonl").exists() and heatmap.exists()
+
+
+@pytest.mark.slow  # torch.compile with inductor; ./scripts/test.sh -m slow
+def test_compiled_run_with_deterministic_algorithms_logs_eager_values_across_the_epochs_smaller_batch(
+        tmp_path: Path):
+    """docs/training.md's workaround for torch 2.13's inductor on a CPU, which zeroes the gradients behind the
+    MaxPool2d in the graph of the epoch's smaller last batch (step 5: 157 examples): eager's values every step."""
+    common = ["data.batch_size=256", "trainer.max_steps=8", "stats.every=1", "repro.deterministic=true",
+              "trainer.eval_every_epochs=0"]
+    train(config(*common), tmp_path / "eager")
+    train(config(*common, "trainer.compile=true"), tmp_path / "compiled")
+    rows_eager, rows_compiled = (rows_with(tmp_path / name / "metrics.jsonl", "train/loss")
+                                 for name in ("eager", "compiled"))
+    assert [r["trainer/step"] for r in rows_compiled] == [r["trainer/step"] for r in rows_eager] == list(range(8))
+    assert [r["epoch"] for r in rows_eager] == [0] * 6 + [1] * 2  # step 5 ends the first epoch
+    for e, c in zip(rows_eager, rows_compiled, strict=True):
+        for key in ("train/loss", "grad/global_norm", "grad/conv1.weight/norm", "grad/conv2.weight/norm"):
+            assert c[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (e["trainer/step"], key)
