@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -279,6 +280,19 @@ def shard(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torc
     return model
 
 
+def warn_pool_gradients(model: torch.nn.Module, trainer: DictConfig, device: torch.device) -> None:
+    """torch 2.13's inductor on a CPU can give every layer before a MaxPool2d a zero gradient at some batch sizes
+    (docs/training.md); warn where a run could meet it: a pool, inductor, the CPU, deterministic algorithms off."""
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if version >= (2, 13) and trainer.compile_backend == "inductor" and device.type == "cpu" and \
+            not torch.are_deterministic_algorithms_enabled() and \
+            any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules()):
+        logging.getLogger("hookexp").warning(
+            "trainer.compile=true: torch %s's inductor on a CPU can give every layer before a MaxPool2d a zero "
+            "gradient at some batch sizes (an epoch's smaller last batch among them; docs/training.md). Set "
+            "repro.deterministic=true, or trainer.compile_backend=aot_eager.", torch.__version__)
+
+
 def wrap(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torch.device) -> torch.nn.Module:
     """What the loop calls forward on: the model under DDP (``ddp``), the sharded model itself (``fsdp``, sharded
     by :func:`shard` when it was built), compiled when asked. Hooks and probes are attached before this, so they
@@ -289,6 +303,7 @@ def wrap(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torch
 
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if trainer.compile:
+        warn_pool_gradients(model, trainer, device)
         # Dynamo's caches are the process's: an earlier run's graph of the same model class (a sweep's previous job,
         # traced with other hooks) would pass its guards and run without this run's hooks
         torch._dynamo.reset()

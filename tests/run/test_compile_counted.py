@@ -138,3 +138,27 @@ def test_a_transform_that_fails_while_dynamo_traces_gets_a_paragraph_naming_the_
                            "must have same reduction dim")
     assert "run once with trainer.compile=false, and hookexp names the spec and the target" in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiling_a_pool_with_inductor_on_the_cpu_warns_of_torchs_zero_gradients(caplog, deterministic):
+    """torch 2.13's inductor zeroes the gradients behind a MaxPool2d at some batch sizes on a CPU (docs/training.md):
+    a compiled run that could meet it says so, with the settings that avoid it; deterministic algorithms do."""
+    from omegaconf import OmegaConf
+
+    from hookexp.run.distributed import Dist, wrap
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.MaxPool2d(2))
+    trainer = OmegaConf.create({"compile": True, "compile_backend": "inductor"})
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with caplog.at_level("WARNING", logger="hookexp"):
+            wrap(model, trainer, Dist(), torch.device("cpu"))  # compiles nothing until called
+    finally:
+        torch.use_deterministic_algorithms(before)
+    warned = [r.getMessage() for r in caplog.records if "MaxPool2d" in r.getMessage()]
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert len(warned) == (0 if deterministic or version < (2, 13) else 1)
+    if warned:
+        assert "Set repro.deterministic=true, or trainer.compile_backend=aot_eager." in warned[0]
