@@ -105,8 +105,8 @@ fi
 
 phase "overhead benchmark: gpt2_124m (bf16, batch 8 x 1024) on the GPU, eager"
 t0=$SECONDS
-cases="${BENCH_CASES:-a,b,b_nofx,c,d0,d,a_wb,w,e,a_fsdp,b_fsdp,d_fsdp,b2,gns}"  # d0: the shipped stats; b_fsdp/a_fsdp: the price under FSDP
-ccases="${COMPILED_CASES:-a,b_nofx,b,d0,c,a_fsdp,b_fsdp}"  # the same under trainer.compile=true ('' : none)
+cases="${BENCH_CASES-a,b,b_nofx,c,d0,d,a_wb,w,e,a_fsdp,b_fsdp,d_fsdp,b2,gns}"  # d0: the shipped stats; b_fsdp/a_fsdp: the price under FSDP
+ccases="${COMPILED_CASES-a,b_nofx,b,d0,c,a_fsdp,b_fsdp}"  # the same under trainer.compile=true ('' : none)
 budget="${BENCH_S:-$(( $(left) - 110 - (${#ccases} > 0 ? ${COMPILED_S:-150} : 0) ))}"  # the small gpt's and compiled
 limit="${BENCH_LIMIT:-$(( budget - 25 ))}"  # no repeat starts that would end after it
 if [ -n "$cases" ]; then
