@@ -118,6 +118,8 @@ def traced_tensors(site: Site, xs: list[torch.Tensor], training: bool, tokens: t
         seen = torch.where(acts, x, x.detach())
         y = call(seen)
         outs.append(x if y is seen else torch.where(acts, y, x))
+    # acts goes first although measure_traced reads the flag enter_traced kept: as an input it orders observe
+    # after enter in the graph, which an unchanged result (no torch.where) would not
     traced.observe([acts, *(t for pair in zip(xs, outs, strict=True) for t in pair)], measure)
     return outs
 

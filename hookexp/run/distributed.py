@@ -283,8 +283,7 @@ def shard(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torc
 def warn_pool_gradients(model: torch.nn.Module, trainer: DictConfig, device: torch.device) -> None:
     """torch 2.13's inductor on a CPU can give every layer before a MaxPool2d a zero gradient at some batch sizes
     (docs/training.md); warn where a run could meet it: a pool, inductor, the CPU, deterministic algorithms off."""
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
-    if version >= (2, 13) and trainer.compile_backend == "inductor" and device.type == "cpu" and \
+    if torch.__version__ >= (2, 13) and trainer.compile_backend == "inductor" and device.type == "cpu" and \
             not torch.are_deterministic_algorithms_enabled() and \
             any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules()):
         logging.getLogger("hookexp").warning(
