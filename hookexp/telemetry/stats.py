@@ -167,7 +167,7 @@ class _Layout:
         self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
         self.count = self.sizes.clamp_min(1)  # what the sums are divided by
         self.rank_seg = tensor.repeat(ranks).to(device)
-        self.fused = device.type in FUSED
+        self.fused = device.type in FUSED and self.wide == torch.float64  # Welford's partials want float64
         if self.fused:  # each padded row's pads take its first element's value, then leave its partials
             firsts = ends - w  # where each tensor's last row starts
             self.pad_src = torch.cat([torch.full((p,), int(f)) for f, p in zip(firsts, pads, strict=True)]).to(device)
