@@ -67,6 +67,13 @@ def compile_failure(e: RuntimeError) -> ConfigError | None:
                        "trainer.compile_backend=aot_eager compiles no kernels.", key="trainer.compile")
 
 
+def lands_late(parts: Parts, recorder: Any, rollback: Any) -> bool:
+    """Whether a log step's record lands with the next step (no host sync: the GPU never waits for the host's
+    decoding and writing): on CUDA, where nothing acts on the values at once (no spike recorder, no
+    ``trainer.stop_when``, no rollback)."""
+    return parts.device.type == "cuda" and not recorder.enabled and parts.goal is None and not rollback.enabled
+
+
 class StepResult(NamedTuple):
     """What :meth:`Trainer.train_step` did: micro-batches ``taken`` of those ``asked`` for (fewer: the data ran
     out), and the spike its log step found (None: none, or not a log step)."""
@@ -131,6 +138,9 @@ class Trainer:
                 self.observers.close()
             raise
         self.period: list[dict[str, Any]] = []  # the steps since the last log step and their batches (spikes.jsonl)
+        self.flight: tuple[int, Any, dict[str, Any], list[dict[str, Any]]] | None = None  # a log record on its way
+        self.late = lands_late(parts, self.recorder, self.rollback)
+        self.guard.wait_on_log = not self.late  # its flags are read as they arrive, at each step's end
         self.last_log_time = time.perf_counter()
         self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
         self.stopped_by = parts.limit  # what ended the run, for the summary and the final line
@@ -236,28 +246,40 @@ class Trainer:
         self.hooks.set_step(loop.step + 1)  # the step the specs' schedules look at next, also after a skipped update
         step, loop.step = loop.step, loop.step + 1
         self.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
+        self.land()  # the last step's log record, if it is still on its way: this step's work is queued behind it
         spike = self.log_step(step) if log_now else None
         observers.end(step)
         return StepResult(taken, micro, spike)
 
     def log_step(self, step: int) -> Any:
-        """Every observer's values in one read-back, to the sinks; returns the spike this step starts, if any."""
-        metrics, histograms = split_histograms(self.observers.read())
+        """Every observer's values in one read-back, to the sinks; returns the spike this step starts, if any.
+        Where :attr:`late`, the values are sent now and land with the next step (:meth:`land`), and None is
+        returned."""
         now, loop = time.perf_counter(), self.loop
-        metrics.update(epoch=loop.epoch, **{"perf/step_time": (now - self.last_log_time) / max(
-            loop.step - loop.last_log_step, 1)})
+        extra = {"epoch": loop.epoch, "perf/step_time": (now - self.last_log_time) / max(
+            loop.step - loop.last_log_step, 1)}
+        self.last_log_time, loop.last_log_step = now, loop.step
+        self.flight = (step, self.observers.send(), extra, self.period)
+        self.period = []
+        return None if self.late else self.land()
+
+    def land(self) -> Any:
+        """The log record on its way (:meth:`log_step`), if any, to the sinks; the spike it starts, if any."""
+        if self.flight is None:
+            return None
+        (step, flight, extra, period), self.flight = self.flight, None
+        metrics, histograms = split_histograms(flight.land())
+        metrics.update(extra)
         self.sinks.log(metrics, step, histograms)
         self.check_goal(metrics, step)
-        self.last_log_time, loop.last_log_step = now, loop.step
         spike = self.observers.observe(metrics, step).get("spike")
         if spike is not None:
             log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps; "
                         "its row: %s%s", spike.metric, spike.step, spike.value, spike.median, self.recorder.steps,
                         self.run_dir / "spikes.jsonl", "" if self.observers.named.get("forensics") is None else
                         f", which layer went first: {self.run_dir / 'forensics' / f'step_{spike.step}.png'}")
-            self.sinks.spike(spike.row(self.period))
+            self.sinks.spike(spike.row(period))
             self.draw_forensics()
-        self.period = []
         if not self.bar.disable:
             self.bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items() if k.startswith("train/")})
         return spike
@@ -303,6 +325,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validate after the last step's update and log it under that step."""
+        self.land()
         val = self.validation_metrics()
         self.loop.evaluated = self.loop.step - 1
         if val:
@@ -324,6 +347,7 @@ class Trainer:
         due = every and result.taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
                                           or self.reached is not None)
         if stopping or due or (result.spike is not None and self.recorder.checkpoint):
+            self.land()  # the files the checkpoint's position covers are whole
             if self.ckpt.finite(self.parts.model):  # never a non-finite state: it would replace the last good one
                 self.ckpt.save(loop)
             else:
@@ -389,6 +413,7 @@ class Trainer:
                 return None
 
         parts, loop, run_dir = self.parts, self.loop, self.run_dir
+        attempt(self.land)
         self.bar.close()
         self.observers.close()
         attempt(self.records.save)

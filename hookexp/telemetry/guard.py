@@ -77,6 +77,7 @@ class NonFiniteGuard(Observer):
         self.warned = 0
         self.deferred = Deferred()  # raise / warn on a GPU: each step's flag (-1, or the step), read a step later
         self._told = False  # a deferred bad step was reported since the last log step (warn once a period)
+        self.wait_on_log = True  # pending() waits for the flags on their way (False: a log step that does not sync)
         self.event: NonFinite | None = None  # the last non-finite step reported
         self.forensics: Any = None  # a Forensics observer, asked where the first non-finite output came from
         self.producer: dict[str, Any] | None = None  # its answer for the first non-finite step
@@ -130,8 +131,8 @@ class NonFiniteGuard(Observer):
         self._poll()
 
     def pending(self) -> tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]:
-        """A log step (it syncs anyway): every flag still on its way is read now."""
-        self._poll(wait=True)
+        """A log step (it syncs anyway, unless ``wait_on_log`` is False): every flag still on its way is read now."""
+        self._poll(wait=self.wait_on_log)
         self._told = False
         return None, lambda values: {}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hookexp.telemetry.readback import Pending, read
+from hookexp.telemetry.readback import Flight, Pending, read
 
 
 class Observer:
@@ -105,6 +105,11 @@ class Observers:
     def read(self) -> dict[str, Any]:
         """The log step: every observer's values in one read-back (``.../hist`` keys hold (counts, edges))."""
         return read([o.pending() for o in self])
+
+    def send(self) -> Flight:
+        """The log step's values on their way to the host (no sync on CUDA); ``land()`` gives what :meth:`read`
+        gives."""
+        return Flight([o.pending() for o in self])
 
     def observe(self, metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
         """Each observer's answer to the logged ``metrics`` that is not None, by name."""

@@ -6,7 +6,8 @@ device (or None: nothing to read) computed without a host sync, and ``decode(hos
 host copy, a flat float64 numpy array (float32 on MPS, which has no float64), into ``{key: value}``:
 floats for metrics, ``(counts, edges)`` numpy pairs for histograms (keys ending in ``/hist``).
 :func:`read` joins every producer's values into one tensor and copies it to the host once: one sync a
-log step, whatever the number of producers, and no producer reads another's values by position.
+log step, whatever the number of producers, and no producer reads another's values by position; a
+:class:`Flight` is the same copy landed later (the trainer's log step on CUDA: a step later, no sync).
 """
 
 from __future__ import annotations
@@ -34,21 +35,42 @@ def wide_dtype(device: torch.device) -> torch.dtype:
 
 def read(pending: Iterable[Pending]) -> dict[str, Any]:
     """Every producer's values, read back in one device-to-host copy and decoded into one dict."""
-    pending = list(pending)
-    parts = [t for t, _ in pending if t is not None]
-    host = np.empty(0)
-    if parts:
-        device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
-        wide = wide_dtype(device)
-        joined = torch.cat([t.detach().reshape(-1).to(device, wide) for t in parts])
-        host = joined.cpu().numpy()  # the one transfer (on the CPU a view: nothing moves)
-    out: dict[str, Any] = {}
-    start = 0
-    for values, decode in pending:
-        n = 0 if values is None else values.numel()
-        out.update(decode(host[start:start + n]))
-        start += n
-    return out
+    return Flight(pending).land()
+
+
+class Flight:
+    """Every producer's values on their way to the host: joined on the device and, on CUDA, copied into pinned
+    memory behind the work queued so far, without a host sync; :meth:`land` waits for the copy (if it is not
+    done yet) and decodes. Landed a step later, the copy waits for nothing: the GPU is busy with that step."""
+
+    def __init__(self, pending: Iterable[Pending]):
+        self.pending = list(pending)
+        parts = [t for t, _ in self.pending if t is not None]
+        self.host: torch.Tensor | None = None
+        self.event: Any = None
+        if parts:
+            device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
+            joined = torch.cat([t.detach().reshape(-1).to(device, wide_dtype(device)) for t in parts])
+            if joined.is_cuda:
+                self.host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+                self.host.copy_(joined, non_blocking=True)  # the one transfer
+                self.event = torch.cuda.Event()
+                self.event.record()
+            else:
+                self.host = joined.cpu()  # on the CPU a view: nothing moves
+
+    def land(self) -> dict[str, Any]:
+        """The decoded values (key -> float, ``.../hist`` keys -> (counts, edges))."""
+        if self.event is not None:
+            self.event.synchronize()
+        host = self.host.numpy() if self.host is not None else np.empty(0)
+        out: dict[str, Any] = {}
+        start = 0
+        for values, decode in self.pending:
+            n = 0 if values is None else values.numel()
+            out.update(decode(host[start:start + n]))
+            start += n
+        return out
 
 
 def split_histograms(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Describe tensors: the one statistics path, in plain torch ops, the same on every device.
+"""Describe tensors: the one statistics path, in plain torch ops (single passes on CUDA, two elsewhere).
 
 ``TensorStats(stats, hist_bins, hist_sample).describe({"grad/fc1.weight": g1, ...})`` returns a
 :data:`~hookexp.telemetry.readback.Pending` pair (a flat device tensor and the decoder of its host copy, no host
@@ -27,6 +27,7 @@ STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg", "abs_mean
 # _decode, and its name here — this file and its test
 ACTIVATION_STATS = ("mean", "std", "abs_mean", "kurtosis", "frac_zero")
 GRADIENT_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
+FUSED = frozenset({"cuda"})  # devices whose rows are described in single passes (_row_partials)
 COLUMNS = 10  # per row, tensor or rank: elements, sum, squared deviations, zeros, negatives, min, max, sum of |x|,
 #              cubed and 4th-power deviations
 
@@ -80,11 +81,14 @@ class TensorStats:
 
         narrow = torch.cat([p for t, pad in zip(local, layout.pads, strict=True) for p in (t.reshape(-1), pad)
                             if p is not None]).view(layout.rows, layout.width)
-        x = narrow.to(layout.wide)
         binned = _bin_values(narrow, layout) if self.hist_bins else None
-        signs = _signs(narrow)
-        del narrow
-        table = _partials(x, signs, layout)
+        if layout.fused:
+            table = _combine(_row_partials(narrow, layout), layout.row_seg, len(keys))
+        else:
+            x = narrow.to(layout.wide)
+            signs = _signs(narrow)
+            del narrow
+            table = _partials(x, signs, layout)
         if ranks > 1:
             everyone = table.new_empty(ranks * len(keys), COLUMNS)
             getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, table, group=self.group)
@@ -163,6 +167,13 @@ class _Layout:
         self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
         self.count = self.sizes.clamp_min(1)  # what the sums are divided by
         self.rank_seg = tensor.repeat(ranks).to(device)
+        self.fused = device.type in FUSED and self.wide == torch.float64  # Welford's partials want float64
+        if self.fused:  # each padded row's pads take its first element's value, then leave its partials
+            firsts = ends - w  # where each tensor's last row starts
+            self.pad_src = torch.cat([torch.full((p,), int(f)) for f, p in zip(firsts, pads, strict=True)]).to(device)
+            row_pad = [w - k for k in row_n]
+            self.row_pad = torch.tensor(row_pad, dtype=self.wide, device=device)
+            self.pad_weight = self.row_n * self.row_pad / w  # what the pads add to a row's M2, per squared offset
         self.pos = self.pos_seg = self.scale = None
         if hist_sample is not None and max(sizes) > hist_sample:  # else every element is counted, in place
             gen = [torch.Generator().manual_seed(0) for _ in sizes]
@@ -228,6 +239,40 @@ def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout:
     return out
 
 
+def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """``[rows, COLUMNS]`` partials of each row of the joined tensors, for :func:`_combine` (on CUDA: fewer bytes
+    than :func:`_partials`, the same values to float64's rounding). One widened copy and single passes: Welford's
+    mean and squared deviations (``var_mean``), |x|, and min/max, zeros and negatives of the narrow rows. A padded
+    row's pads hold its first element (so they keep min and max), whose p copies are then taken out of its
+    partials: exactly for the counts, and for the moments by Chan's formula, well conditioned since that
+    element is one of the row's. Rows with NaN or Inf give non-finite moments; the decoder reads those from
+    min and max. ``narrow`` is changed (its pads)."""
+    w, p = layout.width, layout.row_pad
+    if len(layout.pad_at):
+        flat = narrow.view(-1)
+        flat.index_put_((layout.pad_at,), flat.index_select(0, layout.pad_src))
+    first = narrow[:, 0]
+    v = first.to(layout.wide).nan_to_num_(0.0, 0.0, 0.0)  # a non-finite row's moments are not used
+    zeros = (narrow == 0).sum(1) - p * (first == 0)
+    negatives = (narrow < 0).sum(1) - p * (first < 0)
+    lo, hi = torch.aminmax(narrow, dim=1)
+    x = narrow.to(layout.wide)
+    var, mean = torch.var_mean(x, dim=1, correction=0)
+    mean = mean.add_(p * (mean - v) / layout.row_n)  # the real elements' mean
+    offset = v - mean
+    m2 = var.mul_(w).sub_(layout.pad_weight * offset.square())
+    absolute = torch.linalg.vector_norm(x, 1, dim=1).sub_(p * v.abs())
+    cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
+    if layout.higher_rows:  # only the tensors whose kurtosis is wanted (activations), not every gradient
+        k = layout.higher_rows
+        d = x[:k].sub_(mean[:k, None])
+        square = d.square()
+        cubes[:k] = (square * d).sum(1) - p[:k] * offset[:k] ** 3
+        fourths[:k] = torch.linalg.vector_norm(square, 2, dim=1).square_() - p[:k] * offset[:k] ** 4
+        del d, square
+    return torch.stack([layout.row_n, mean * layout.row_n, m2, zeros, negatives, lo, hi, absolute, cubes, fourths], 1)
+
+
 def _combine(parts: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     """The ranks' partials (``[ranks * n, COLUMNS]``) of the ``n`` tensors ``seg`` assigns them to, combined:
     each part's central moments moved to the common mean (d = part mean - mean) and summed: M2 + c d^2,
@@ -278,7 +323,8 @@ def _decode(host: np.ndarray, layout: _Layout, stats: list[str], bins: int) -> d
     finite = np.isfinite(lo) & np.isfinite(hi)
     with np.errstate(all="ignore"):
         col = {"norm": np.where(finite, np.sqrt(squares + total * total / n), np.where(has_nan, np.nan, np.inf)),
-               "mean": np.where(has_nan, np.nan, total / n),
+               "mean": np.where(has_nan | (lo == -np.inf) & (hi == np.inf), np.nan,  # as torch's sum says
+                                np.where(hi == np.inf, np.inf, np.where(lo == -np.inf, -np.inf, total / n))),
                "std": np.where(finite & (n > 1), np.sqrt(np.maximum(squares, 0.0) / (n - 1)), np.nan),
                "min": lo, "max": hi, "frac_zero": zeros / n, "frac_neg": negs / n, "abs_mean": absolute / n,
                "kurtosis": np.where(finite & (squares > 0) & (np.arange(n_tensors) < layout.higher),

@@ -70,6 +70,37 @@ def test_steps_that_do_not_log_never_sync_the_host(tmp_path: Path, monkeypatch: 
     assert {r["trainer/step"] for r in rows} == log_steps
 
 
+def test_with_records_landing_late_no_step_syncs_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every statistic on every step (the benchmark's case c) with nothing that acts on the values at once: each
+    step's record lands with the next step, so from the second step on no step makes the host wait, log steps
+    included (validation and the final checkpoint read values back, as they may)."""
+    start = Observers.start
+    late: list[bool] = []
+
+    def start_step(self: Observers, step: int, logging: bool) -> None:
+        torch.cuda.set_sync_debug_mode("error" if step >= 1 else 0)
+        start(self, step, logging)
+
+    def may_sync(original):
+        def wrapper(self, *args, **kwargs):
+            late.append(self.late)
+            torch.cuda.set_sync_debug_mode(0)
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("evaluate", "maybe_checkpoint"):
+        monkeypatch.setattr(Trainer, name, may_sync(getattr(Trainer, name)))
+    monkeypatch.setattr(Observers, "start", start_step)
+    try:  # 12 steps: within the first epoch (a smaller last batch would make the activations a new layout)
+        summary = train(config("stats.every=1", "stats.grads=*", "stats.activations=relu*", "stats.hist_bins=16",
+                               "trainer.max_steps=12"), tmp_path)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert summary["status"] == "finished" and all(late) and late
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["trainer/step"] for r in rows] == list(range(12)) and all("act/relu1/std" in r for r in rows)
+
+
 def test_a_cuda_run_logs_the_statistics_a_cpu_run_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Same seed, same data, same initial weights (built on the CPU, then moved): the first step's every
     scalar statistic agrees to float32 reduction order, with TF32 off so that the convolutions match."""

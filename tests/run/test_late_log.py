@@ -1,0 +1,90 @@
+"""A log step's record landed with the next step (CUDA's default where nothing acts on it at once), run on the CPU
+by forcing it: the same records as read at once, in the same order, also across validation, checkpoints and a
+resumed run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import config, read_jsonl
+
+from hookexp.run import trainer as trainer_module
+from hookexp.run.loop import run_job as train
+from hookexp.run.sinks import LocalFiles
+
+EVERY_STAT = ("stats.grads=*", "stats.activations=relu*", "stats.hist_bins=8", "trainer.eval_every=4",
+              "trainer.checkpoint_every=5")
+
+
+def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl without its wall times, and histograms.jsonl."""
+    metrics = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_jsonl(run_dir / "metrics.jsonl")]
+    return metrics, read_jsonl(run_dir / "histograms.jsonl")
+
+
+def run(tmp_path: Path, name: str, late: bool, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> Path:
+    """One run in tmp_path/name; ``late``: log steps land with the next step, as on CUDA."""
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module, "lands_late", lambda *args: late)
+        train(config(*EVERY_STAT, *overrides), tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_records_landed_a_step_late_are_those_read_at_once(tmp_path, monkeypatch, every):
+    landed: list[tuple[int, int]] = []  # (the step a record describes, the trainer's step count as it is written)
+    log = LocalFiles.log
+
+    def spy(self, metrics, step, histograms=None):
+        if "train/loss" in metrics:
+            landed.append((step, spy.trainer.loop.step))
+        return log(self, metrics, step, histograms)
+
+    init = trainer_module.Trainer.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        spy.trainer = self
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", keep)
+    monkeypatch.setattr(LocalFiles, "log", spy)
+    now = run(tmp_path, "now", False, monkeypatch, f"stats.every={every}", "trainer.max_steps=12")
+    at_once, landed[:] = list(landed), []
+    late = run(tmp_path, "late", True, monkeypatch, f"stats.every={every}", "trainer.max_steps=12")
+    assert records(late) == records(now)
+    steps = [s for s, _ in at_once]
+    assert steps == [s for s, _ in landed] and steps[-1] == 11 and len(steps) == (12 if every == 1 else 5)
+    assert all(count == s + 1 for s, count in at_once)  # read at once: within its own step
+    # late: within the next step, or before the validation (steps 3, 7, 11) or checkpoint (4, 9) that follows it
+    assert [count - s for s, count in landed] == [1 if s in (3, 4, 7, 9, 11) else 2 for s in steps]
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_resumed_run_lands_every_record_once(tmp_path, monkeypatch, late):
+    """Stopped after step 5 (checkpoint at step 5) and resumed to 10: the records of the run read at once."""
+    from hookexp.run import train as run_train
+
+    def resumed(name: str, late: bool) -> Path:
+        part = run(tmp_path, name, late, monkeypatch, "stats.every=2", "trainer.max_steps=6")
+        with monkeypatch.context() as m:
+            m.setattr(trainer_module, "lands_late", lambda *args: late)
+            run_train(config(*EVERY_STAT, "stats.every=2", "trainer.max_steps=10"), part, resume=True)
+        return part
+
+    metrics, histograms = records(resumed("late" if late else "now", late))
+    assert (metrics, histograms) == records(resumed("reference", False))
+    steps = [r["trainer/step"] for r in metrics if "train/loss" in r]
+    assert steps == [0, 2, 4, 5, 6, 8, 9]  # each once: step 5 ended the first run
+
+
+@pytest.mark.parametrize(("change", "late"), [
+    ({}, True), ({"device": torch.device("cpu")}, False), ({"enabled": True}, False), ({"goal": "val/acc>=0.9"}, False),
+    ({"rollback": True}, False)])
+def test_records_land_late_on_cuda_only_where_nothing_acts_on_them_at_once(change, late):
+    parts = SimpleNamespace(device=change.get("device", torch.device("cuda")), goal=change.get("goal"))
+    recorder = SimpleNamespace(enabled=change.get("enabled", False))
+    rollback = SimpleNamespace(enabled=change.get("rollback", False))
+    assert trainer_module.lands_late(parts, recorder, rollback) is late
