@@ -41,7 +41,7 @@ from hookexp.run.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backen
 from hookexp.telemetry.assemble import Wiring, build_observers
 from hookexp.telemetry.forensics import draw
 from hookexp.telemetry.meter import TrainMeter
-from hookexp.telemetry.readback import split_histograms
+from hookexp.telemetry.readback import profiler_range, split_histograms
 
 log = logging.getLogger("hookexp.train")
 
@@ -236,7 +236,10 @@ class Trainer:
         self.hooks.set_step(loop.step + 1)  # the step the specs' schedules look at next, also after a skipped update
         step, loop.step = loop.step, loop.step + 1
         self.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
-        spike = self.log_step(step) if log_now else None
+        spike = None
+        if log_now:
+            with profiler_range("hookexp/log_step"):  # a log step's ranges: benchmarks/profile_step.py
+                spike = self.log_step(step)
         observers.end(step)
         return StepResult(taken, micro, spike)
 
@@ -246,7 +249,8 @@ class Trainer:
         now, loop = time.perf_counter(), self.loop
         metrics.update(epoch=loop.epoch, **{"perf/step_time": (now - self.last_log_time) / max(
             loop.step - loop.last_log_step, 1)})
-        self.sinks.log(metrics, step, histograms)
+        with profiler_range("hookexp/sinks"):
+            self.sinks.log(metrics, step, histograms)
         self.check_goal(metrics, step)
         self.last_log_time, loop.last_log_step = now, loop.step
         spike = self.observers.observe(metrics, step).get("spike")

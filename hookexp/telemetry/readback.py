@@ -12,6 +12,7 @@ log step, whatever the number of producers, and no producer reads another's valu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,22 +33,30 @@ def wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def profiler_range(name: str) -> AbstractContextManager[Any]:
+    """``torch.profiler.record_function(name)`` while a profiler records, else nothing: a range dispatches two ops
+    and costs microseconds. The log step's ranges (``hookexp/...``) are what benchmarks/profile_step.py reads."""
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
+
+
 def read(pending: Iterable[Pending]) -> dict[str, Any]:
     """Every producer's values, read back in one device-to-host copy and decoded into one dict."""
     pending = list(pending)
     parts = [t for t, _ in pending if t is not None]
     host = np.empty(0)
-    if parts:
-        device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
-        wide = wide_dtype(device)
-        joined = torch.cat([t.detach().reshape(-1).to(device, wide) for t in parts])
-        host = joined.cpu().numpy()  # the one transfer (on the CPU a view: nothing moves)
+    with profiler_range("hookexp/read"):
+        if parts:
+            device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
+            wide = wide_dtype(device)
+            joined = torch.cat([t.detach().reshape(-1).to(device, wide) for t in parts])
+            host = joined.cpu().numpy()  # the one transfer (on the CPU a view: nothing moves)
     out: dict[str, Any] = {}
     start = 0
-    for values, decode in pending:
-        n = 0 if values is None else values.numel()
-        out.update(decode(host[start:start + n]))
-        start += n
+    with profiler_range("hookexp/decode"):
+        for values, decode in pending:
+            n = 0 if values is None else values.numel()
+            out.update(decode(host[start:start + n]))
+            start += n
     return out
 
 
