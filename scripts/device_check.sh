@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of hookexp in one command, for a lent GPU machine that has torch but no internet: installs the
 # missing packages from wheels carried in .whl/, then (each phase time-boxed; a failing phase never stops the
-# next one) the CUDA tests, the GPT-2-small overhead benchmark on the GPU, the watch()-vs-wandb.watch cases on
-# the small gpt, and, with the time left, the rest of the suite on the GPU. Logs and step times go to $OUT.
+# next one) a profile of a GPT-2-small step, the CUDA tests, the GPT-2-small overhead benchmark on the GPU, the
+# watch()-vs-wandb.watch cases on the small gpt, and, with the time left, the rest of the suite on the GPU. Logs and
+# step times go to $OUT.
 #
 #   bash scripts/device_check.sh          # on the GPU machine, from the repository root, with .whl carried
 #
@@ -20,7 +21,11 @@
 # phase must end by, default 430), PY (default python3), BENCH_CASES, BENCH_STEPS, BENCH_REPEATS, BENCH_LIMIT (the
 # main benchmark's --cases, --steps, --repeats and --time-limit; BENCH_S its seconds), COMPILED_CASES and COMPILED_S
 # (the compiled benchmark's cases, '' for none, and seconds), TESTS_S (the CUDA tests' seconds), SKIP_TESTS=1 (no
-# CUDA tests), SKIP_GPT=1 (no small gpt phase), SKIP_SUITE=1 (no last phase).
+# CUDA tests), SKIP_GPT=1 (no small gpt phase), SKIP_SUITE=1 (no last phase). The first phase after the install,
+# benchmarks/profile_step.py on gpt2_124m (where a step's GPU time goes, by case; $OUT/profile.tar holds its tables,
+# per-step values and chrome traces): PROFILE_CASES (default b,c; '' for none), PROFILE_STEPS (profiled steps, default
+# 8), PROFILE_S (its seconds, default 120), PROFILE_COMPILED=1 (again under trainer.compile=true, PROFILE_COMPILED_S
+# seconds, default 150), SKIP_PROFILE=1 (no profile phase).
 set -u
 start=$SECONDS
 OUT="${OUT:-/tmp/device_check}"
@@ -83,6 +88,28 @@ $PY -c "import hydra, omegaconf, wandb, orjson, pydantic, google.protobuf as pb,
 print('imports ok: hydra', hydra.__version__, 'omegaconf', omegaconf.__version__, 'wandb', wandb.__version__,
       'pydantic', pydantic.VERSION, 'protobuf', pb.__version__)" || rc=$?
 note install $rc
+
+phase "profile: where a gpt2_124m step's time goes, cases ${PROFILE_CASES-b,c} (compiled too: PROFILE_COMPILED=1)"
+t0=$SECONDS
+pcases="${PROFILE_CASES-b,c}"  # c - b: the statistics every step; the table splits it (benchmarks/profile_step.py)
+if [ "${SKIP_PROFILE:-0}" != 1 ] && [ -n "$pcases" ]; then
+    mkdir -p "$OUT/profile"
+    timeout -s USR1 -k 20 "${PROFILE_S:-120}" $PY benchmarks/profile_step.py --device cuda --models gpt2_124m \
+        --cases "$pcases" --steps "${PROFILE_STEPS:-8}" --warmup-steps 10 --trace "$OUT/profile/eager" 2>&1 \
+        | tee "$OUT/profile/eager.log"
+    note profile-gpt2_124m "${PIPESTATUS[0]}"
+    if [ "${PROFILE_COMPILED:-0}" = 1 ]; then
+        t0=$SECONDS
+        timeout -s USR1 -k 20 "${PROFILE_COMPILED_S:-150}" $PY benchmarks/profile_step.py --device cuda \
+            --models gpt2_124m --cases "$pcases" --steps "${PROFILE_STEPS:-8}" --warmup-steps 10 \
+            --set trainer.compile=true --trace "$OUT/profile/compiled" 2>&1 | tee "$OUT/profile/compiled.log"
+        note profile-gpt2_124m-compiled "${PIPESTATUS[0]}"
+    fi
+    # one file back (a lent machine returns at most 8): the tables, every step's values, the chrome traces
+    tar -cf "$OUT/profile.tar" -C "$OUT" profile && rm -rf "$OUT/profile"
+else
+    note profile-gpt2_124m skipped
+fi
 
 phase "the machine"
 t0=$SECONDS
@@ -154,6 +181,7 @@ fi
 phase "summary"
 printf '%s\n' "${status[@]}"
 grep -h "FAILED (" "$OUT"/bench_*.log 2>/dev/null
+tar -xOf "$OUT/profile.tar" --wildcards 'profile/*/profile_*.md' 2>/dev/null
 for f in "$OUT"/bench_*.log; do
     [ -f "$f" ] && { echo "--- $f"; sed -n '/^torch /,$p' "$f"; }
 done

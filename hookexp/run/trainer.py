@@ -41,7 +41,7 @@ from hookexp.run.sinks import LocalFiles, NullSinks, RunInfo, Sinks, make_backen
 from hookexp.telemetry.assemble import Wiring, build_observers
 from hookexp.telemetry.forensics import draw
 from hookexp.telemetry.meter import TrainMeter
-from hookexp.telemetry.readback import split_histograms
+from hookexp.telemetry.readback import profiler_range, split_histograms
 
 log = logging.getLogger("hookexp.train")
 
@@ -246,8 +246,11 @@ class Trainer:
         self.hooks.set_step(loop.step + 1)  # the step the specs' schedules look at next, also after a skipped update
         step, loop.step = loop.step, loop.step + 1
         self.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
-        self.land()  # the last step's log record, if it is still on its way: this step's work is queued behind it
-        spike = self.log_step(step) if log_now else None
+        spike = None
+        if log_now or self.flight is not None:
+            with profiler_range("hookexp/log_step"):  # a log step's ranges: benchmarks/profile_step.py
+                self.land()  # the last step's log record, if still on its way: this step's work is queued behind it
+                spike = self.log_step(step) if log_now else None
         observers.end(step)
         return StepResult(taken, micro, spike)
 
@@ -270,7 +273,8 @@ class Trainer:
         (step, flight, extra, period), self.flight = self.flight, None
         metrics, histograms = split_histograms(flight.land())
         metrics.update(extra)
-        self.sinks.log(metrics, step, histograms)
+        with profiler_range("hookexp/sinks"):
+            self.sinks.log(metrics, step, histograms)
         self.check_goal(metrics, step)
         spike = self.observers.observe(metrics, step).get("spike")
         if spike is not None:

@@ -24,7 +24,7 @@ from hookexp.config import StatsConfig
 from hookexp.engine import match, output_hooks
 from hookexp.errors import ConfigError
 from hookexp.telemetry.observer import Observer
-from hookexp.telemetry.readback import Pending
+from hookexp.telemetry.readback import Pending, profiler_range
 from hookexp.telemetry.stats import ACTIVATION_STATS, GRADIENT_STATS, STATS, TensorStats, norms
 
 _ACT_DROPPED = tuple(f"/{s}" for s in STATS if s not in ACTIVATION_STATS)  # what activations do not log
@@ -122,8 +122,9 @@ class Probes(Observer):
         acts, self._acts_kept = self._acts_kept, {}
         tensors = {**acts, **grads}
         if tensors:
-            values, decode = self.describer.describe(tensors, sharded=list(acts) if self._acts_sharded else (),
-                                                     higher=acts)  # gradients log no kurtosis
+            with profiler_range("hookexp/describe"):
+                values, decode = self.describer.describe(tensors, sharded=list(acts) if self._acts_sharded else (),
+                                                         higher=acts)  # gradients log no kurtosis
             self._described = (values, decode)
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ log step, whatever the number of producers, and no producer reads another's valu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,6 +34,12 @@ def wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def profiler_range(name: str) -> AbstractContextManager[Any]:
+    """``torch.profiler.record_function(name)`` while a profiler records, else nothing: a range dispatches two ops
+    and costs microseconds. The log step's ranges (``hookexp/...``) are what benchmarks/profile_step.py reads."""
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
+
+
 def read(pending: Iterable[Pending]) -> dict[str, Any]:
     """Every producer's values, read back in one device-to-host copy and decoded into one dict."""
     return Flight(pending).land()
@@ -48,7 +55,9 @@ class Flight:
         parts = [t for t, _ in self.pending if t is not None]
         self.host: torch.Tensor | None = None
         self.event: Any = None
-        if parts:
+        if not parts:
+            return
+        with profiler_range("hookexp/read"):
             device = next((t.device for t in parts if t.device.type != "cpu"), parts[0].device)
             joined = torch.cat([t.detach().reshape(-1).to(device, wide_dtype(device)) for t in parts])
             if joined.is_cuda:
@@ -62,14 +71,16 @@ class Flight:
     def land(self) -> dict[str, Any]:
         """The decoded values (key -> float, ``.../hist`` keys -> (counts, edges))."""
         if self.event is not None:
-            self.event.synchronize()
+            with profiler_range("hookexp/read"):
+                self.event.synchronize()
         host = self.host.numpy() if self.host is not None else np.empty(0)
         out: dict[str, Any] = {}
         start = 0
-        for values, decode in self.pending:
-            n = 0 if values is None else values.numel()
-            out.update(decode(host[start:start + n]))
-            start += n
+        with profiler_range("hookexp/decode"):
+            for values, decode in self.pending:
+                n = 0 if values is None else values.numel()
+                out.update(decode(host[start:start + n]))
+                start += n
         return out
 
 
