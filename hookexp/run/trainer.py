@@ -262,6 +262,8 @@ class Trainer:
         extra = {"epoch": loop.epoch, "perf/step_time": (now - self.last_log_time) / max(
             loop.step - loop.last_log_step, 1)}
         self.last_log_time, loop.last_log_step = now, loop.step
+        if loop.step == self.parts.total_steps:  # the last steps' guard flags are read before the run ends
+            self.guard.wait_on_log = True
         self.flight = (step, self.observers.send(), extra, self.period)
         self.period = []
         return None if self.late else self.land()
