@@ -11,9 +11,9 @@ table gives per step, median over the profiled steps, in ms:
   wall                  the profiled step (the profiler's host cost, ~1-2 us an op, inflates it); "unprofiled":
                         the warm-up steps' median, by the clock
   GPU busy / idle       the union of the kernels' (and copies') intervals in the step, and the rest of the step;
-                        idle is split into: after the read-back (the host decodes, writes the sinks and observes
-                        while the GPU waits), before the step's first kernel, and elsewhere (the GPU waits for
-                        the host's launches)
+                        idle is split into: after a record's read-back lands (the host decodes, writes the sinks
+                        and observes; the GPU waits unless the next step's work is queued, as on a late log step),
+                        before the step's first kernel, and elsewhere (the GPU waits for the host's launches)
   kernels: ...          kernel time by where the op that launched it ran: inside ``hookexp/describe`` (the
                         statistics of the gradients and activations) or ``hookexp/probe_hook`` (this script's range
                         around the activation probes' forward hooks): statistics; ``hookexp/read`` (the join and the
@@ -21,7 +21,7 @@ table gives per step, median over the profiled steps, in ms:
                         values, the decode, the sinks): log step; else: the rest of the step. On the CPU, where
                         nothing runs on a device, the ops' self time instead ("ops: ...")
   host: ...             the ranges' own durations: the log step; its read-back (on a GPU: waiting for the GPU);
-                        after the read-back returns (decode, sinks, observe: GPU idle on a synchronous log step);
+                        after a record's read-back returns (``hookexp/land``: decode, sinks, observe);
                         the sinks; describe (launching the statistics); the probe hooks (forward)
 A column "<case> - b" follows when b ran. Then the top kernels (CPU: ops) of case c (else the last case) by time.
 ``--trace DIR`` writes each case's chrome trace (``<model>_<case>.json.gz``), every profiled step's values
@@ -57,7 +57,8 @@ from hookexp.telemetry.readback import profiler_range
 
 STEP = "ProfilerStep#"
 CATEGORY = {"hookexp/describe": "statistics", "hookexp/probe_hook": "statistics", "hookexp/read": "read-back",
-            "hookexp/log_step": "log step", "hookexp/decode": "log step", "hookexp/sinks": "log step"}
+            "hookexp/log_step": "log step", "hookexp/decode": "log step", "hookexp/sinks": "log step",
+            "hookexp/land": "log step"}
 CATEGORIES = ("statistics", "read-back", "log step", "rest")
 HOST = {"host: log step": "hookexp/log_step", "host: read-back (incl. waiting for the GPU)": "hookexp/read",
         "host: sinks": "hookexp/sinks", "host: describe (launching the statistics)": "hookexp/describe",
@@ -172,7 +173,7 @@ def analyse(events: list[Event], device: bool) -> tuple[list[dict[str, float]], 
     """Per profiled step (a ``ProfilerStep#`` range) its values in ms (the table's rows), and the device work
     of those steps (kernels; on the CPU, ``device=False``, the ops' self time) with where each was launched."""
     windows = sorted((e for e in events if e.kind == "range" and e.name.startswith(STEP)), key=lambda e: e.start)
-    ranges = sorted((e for e in events if e.kind == "range" and e.name in CATEGORY), key=lambda e: e.start)
+    ranges = sorted((e for e in events if e.kind == "range" and e.name in CATEGORY), key=lambda e: (e.start, -e.end))
     cpu = [e for e in events if e.kind in ("op", "range")]
     if device:
         launched = {e.corr: e.start for e in cpu}  # what a kernel's linked id names: the op (or range) launching it
@@ -204,17 +205,18 @@ def analyse(events: list[Event], device: bool) -> tuple[list[dict[str, float]], 
         for label, name in HOST.items():
             row[label] = sum(r.end - r.start for r in inside if r.name == name) / 1e6
         reads = [r for r in inside if r.name == "hookexp/read"]
-        after = 0
-        for log in (r for r in inside if r.name == "hookexp/log_step"):
-            ends = [r.end for r in reads if log.start <= r.start <= log.end]
-            after += log.end - max(ends) if ends else 0
-        row[AFTER_READ] = after / 1e6
+        # each record's landing (Trainer.land): from the end of its read-back (none inside on the CPU: read in the
+        # send) to its end; on CUDA a log step lands the last step's record, then sends its own (a second read)
+        lands = [r for r in inside if r.name == "hookexp/land"]
+        landed = [max((r.end for r in reads if land.start <= r.start <= land.end), default=land.start)
+                  for land in lands]
+        row[AFTER_READ] = sum(land.end - at for land, at in zip(lands, landed, strict=True)) / 1e6
         for c in CATEGORIES:
             row[f"device: {c}"] = sum(w.ns for w in mine if w.category == c) / 1e6
             row[f"count: {c}"] = sum(w.category == c for w in mine)
         if device:
             busy = busy_in(union, win.start, win.end)
-            read_end = max((r.end for r in reads), default=win.end)
+            read_end = max(landed, default=win.end)
             first = min((s for s, e in union if e > win.start), default=win.end)
             before = min(max(first, win.start), read_end)
             idle_after = (win.end - read_end) - busy_in(union, read_end, win.end)

@@ -262,6 +262,8 @@ class Trainer:
         extra = {"epoch": loop.epoch, "perf/step_time": (now - self.last_log_time) / max(
             loop.step - loop.last_log_step, 1)}
         self.last_log_time, loop.last_log_step = now, loop.step
+        if loop.step == self.parts.total_steps:  # the last steps' guard flags are read before the run ends
+            self.guard.wait_on_log = True
         self.flight = (step, self.observers.send(), extra, self.period)
         self.period = []
         return None if self.late else self.land()
@@ -271,21 +273,23 @@ class Trainer:
         if self.flight is None:
             return None
         (step, flight, extra, period), self.flight = self.flight, None
-        metrics, histograms = split_histograms(flight.land())
-        metrics.update(extra)
-        with profiler_range("hookexp/sinks"):
-            self.sinks.log(metrics, step, histograms)
-        self.check_goal(metrics, step)
-        spike = self.observers.observe(metrics, step).get("spike")
-        if spike is not None:
-            log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps; "
-                        "its row: %s%s", spike.metric, spike.step, spike.value, spike.median, self.recorder.steps,
-                        self.run_dir / "spikes.jsonl", "" if self.observers.named.get("forensics") is None else
-                        f", which layer went first: {self.run_dir / 'forensics' / f'step_{spike.step}.png'}")
-            self.sinks.spike(spike.row(period))
-            self.draw_forensics()
-        if not self.bar.disable:
-            self.bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items() if k.startswith("train/")})
+        with profiler_range("hookexp/land"):  # its read-back, then what the host does with it (profile_step.py)
+            metrics, histograms = split_histograms(flight.land())
+            metrics.update(extra)
+            with profiler_range("hookexp/sinks"):
+                self.sinks.log(metrics, step, histograms)
+            self.check_goal(metrics, step)
+            spike = self.observers.observe(metrics, step).get("spike")
+            if spike is not None:
+                log.warning("spike of %s at step %d: %.4g against a median of %.4g; logging every step for %d steps; "
+                            "its row: %s%s", spike.metric, spike.step, spike.value, spike.median, self.recorder.steps,
+                            self.run_dir / "spikes.jsonl", "" if self.observers.named.get("forensics") is None else
+                            f", which layer went first: {self.run_dir / 'forensics' / f'step_{spike.step}.png'}")
+                self.sinks.spike(spike.row(period))
+                self.draw_forensics()
+            if not self.bar.disable:
+                self.bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items()
+                                      if k.startswith("train/")})
         return spike
 
     def draw_forensics(self) -> None:

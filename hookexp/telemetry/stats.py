@@ -252,7 +252,7 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
         flat = narrow.view(-1)
         flat.index_put_((layout.pad_at,), flat.index_select(0, layout.pad_src))
     first = narrow[:, 0]
-    v = first.to(layout.wide).nan_to_num_(0.0, 0.0, 0.0)  # a non-finite row's moments are not used
+    v = first.to(layout.wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy (float64: a view); non-finite: unused
     zeros = (narrow == 0).sum(1) - p * (first == 0)
     negatives = (narrow < 0).sum(1) - p * (first < 0)
     lo, hi = torch.aminmax(narrow, dim=1)

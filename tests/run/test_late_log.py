@@ -88,3 +88,33 @@ def test_records_land_late_on_cuda_only_where_nothing_acts_on_them_at_once(chang
     recorder = SimpleNamespace(enabled=change.get("enabled", False))
     rollback = SimpleNamespace(enabled=change.get("rollback", False))
     assert trainer_module.lands_late(parts, recorder, rollback) is late
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_non_finite_last_step_is_raised_as_when_read_at_once(tmp_path, monkeypatch, late):
+    """The guard's flags as on a GPU (read a step later, here: only when waited for): a NaN gradient at the last
+    step fails the run, landed late or not; the last log step waits for the flags on their way."""
+    from hookexp.errors import NonFiniteError
+    from hookexp.telemetry.guard import NonFiniteGuard
+    from hookexp.telemetry.spike import Deferred
+
+    class OnItsWay:  # a CUDA event whose copy is not done until waited for
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            pass
+
+    init = NonFiniteGuard.__init__
+
+    def deferred(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.sync = False  # raise on a GPU: flags read a step later
+
+    monkeypatch.setattr(NonFiniteGuard, "__init__", deferred)
+    monkeypatch.setattr(Deferred, "put", lambda self, step, values: self.waiting.append(
+        (step, values.detach().reshape(-1), OnItsWay())))
+    poison = "+hooks.poison={target:fc1.bias,kind:grad,transform:{_target_:user_transforms.nan_at,step:5}}"
+    with pytest.raises(NonFiniteError, match="at step 5"):
+        run(tmp_path, "run", late, monkeypatch, poison, "guard.nan_policy=raise", "stats.every=2",
+            "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.eval_every=0")

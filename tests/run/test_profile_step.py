@@ -55,7 +55,8 @@ def test_the_cpu_profile_of_the_small_cnn_finds_the_log_step_and_the_statistics(
     assert [len(saved["cases"][k]["steps"]) for k in ("b", "c")] == [3, 3]
     assert (tmp_path / "profile_small_cnn.md").read_text() in out
     trace = gzip.decompress((tmp_path / "small_cnn_c.json.gz").read_bytes()).decode()
-    assert all(f'"hookexp/{r}"' in trace for r in ("log_step", "describe", "read", "decode", "sinks", "probe_hook"))
+    assert all(f'"hookexp/{r}"' in trace for r in ("log_step", "land", "describe", "read", "decode", "sinks",
+                                                   "probe_hook"))
 
 
 def test_a_hand_loop_case_is_refused_by_name(ps, capsys):
@@ -68,7 +69,8 @@ def test_the_gpu_columns_of_a_step_written_by_hand(ps):
     E = ps.Event
     step = E("ProfilerStep#1", "range", 0, 100 * MS)
     ranges = [E("hookexp/describe", "range", 40 * MS, 50 * MS, corr=10), E("hookexp/log_step", "range", 70 * MS,
-              95 * MS, corr=11), E("hookexp/read", "range", 72 * MS, 80 * MS, corr=12)]
+              95 * MS, corr=11), E("hookexp/read", "range", 72 * MS, 80 * MS, corr=12),
+              E("hookexp/land", "range", 72 * MS, 95 * MS, corr=13)]  # read at once: the log step lands its record
     ops = [E("aten::mm", "op", 10 * MS, 11 * MS, corr=1), E("aten::norm", "op", 45 * MS, 46 * MS, corr=2),
            E("aten::copy_", "op", 75 * MS, 76 * MS, corr=3), E("aten::add", "op", 97 * MS, 98 * MS, corr=4)]
     kernels = [E("gemm", "kernel", 12 * MS, 30 * MS, linked=1), E("norm", "kernel", 46 * MS, 60 * MS, linked=2),
@@ -85,6 +87,24 @@ def test_the_gpu_columns_of_a_step_written_by_hand(ps):
     assert [got[f"count: {c}"] for c in ps.CATEGORIES] == [1, 1, 0, 3]
     assert got["host: log step"] == 25 and got[ps.AFTER_READ] == 15 and got["host: read-back (incl. waiting " \
         "for the GPU)"] == 8 and got["host: describe (launching the statistics)"] == 10
+
+
+def test_a_record_landed_a_step_late_is_measured_from_its_own_read_back(ps):
+    """CUDA's late log step: step N+1's log step lands N's record (waits on its copy, decodes, writes the sinks),
+    then sends N+1's (the join and the copy: a second read-back range, which waits for nothing)."""
+    E = ps.Event
+    step = E("ProfilerStep#2", "range", 0, 100 * MS)
+    ranges = [E("hookexp/log_step", "range", 60 * MS, 95 * MS), E("hookexp/land", "range", 60 * MS, 85 * MS),
+              E("hookexp/read", "range", 60 * MS, 62 * MS), E("hookexp/decode", "range", 62 * MS, 70 * MS),
+              E("hookexp/sinks", "range", 70 * MS, 80 * MS), E("hookexp/read", "range", 90 * MS, 93 * MS, corr=5)]
+    ops = [E("aten::mm", "op", 5 * MS, 6 * MS, corr=1), E("aten::copy_", "op", 91 * MS, 92 * MS, corr=2)]
+    kernels = [E("gemm", "kernel", 10 * MS, 70 * MS, linked=1), E("Memcpy DtoH", "kernel", 92 * MS, 94 * MS, linked=2)]
+    rows, _ = ps.analyse([step, *ranges, *ops, *kernels], device=True)
+    got = {k: round(v, 6) for k, v in rows[0].items()}
+    assert got[ps.AFTER_READ] == 23  # 62 -> 85: decode, sinks, observe; not 93 -> 95 after the send
+    assert got["host: read-back (incl. waiting for the GPU)"] == 5 and got["host: log step"] == 35
+    # idle after the landing's read-back (62): [70, 92] and [94, 100]; before the first kernel: [0, 10]
+    assert {k: got[k] for k in ps.GPU_ROWS} == dict(zip(ps.GPU_ROWS, [62, 38, 28, 10, 0], strict=True))
 
 
 def test_an_ops_self_time_leaves_out_its_childrens(ps):

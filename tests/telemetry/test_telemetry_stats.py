@@ -155,11 +155,14 @@ def test_a_row_led_by_an_outlier_keeps_every_statistic_exact(path):
     assert_stats(got, tensors)
 
 
-def test_nan_and_inf_are_reported_as_torch_reports_them(path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: widened in place, no copy
+def test_nan_and_inf_are_reported_as_torch_reports_them(dtype, path):
     tensors = {"nan": torch.tensor([1.0, NAN]), "inf": torch.tensor([1.0, INF]), "neg_inf": torch.tensor([-INF, 1.0]),
                "both_infs": torch.tensor([-INF, INF]), "all_inf": torch.tensor([INF, INF]),
                "all_nan": torch.full((70,), NAN), "nan_zero_neg": torch.tensor([NAN, 0.0, -1.0]),
-               "nan_inf": torch.tensor([INF, NAN, 2.0]), "ok": torch.tensor([1.0, 3.0, 2.0])}
+               "nan_inf": torch.tensor([INF, NAN, 2.0]), "ok": torch.tensor([1.0, 3.0, 2.0]),
+               "inf_row": torch.tensor([INF] + [0.5] * 15)}  # a whole row (no pad) led by an Inf
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
     got = describe(tensors, hist_bins=2)
     assert_stats(got, tensors)
     assert got["nan_zero_neg/frac_zero"] == 1 / 3 and got["nan_zero_neg/frac_neg"] == 1 / 3  # NaN: nonzero, not < 0
