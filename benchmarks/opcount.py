@@ -97,6 +97,7 @@ class Count(TorchDispatchMode):
         self.device = device
         self.ops: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
+        self.sizes: Counter[tuple[str, int]] = Counter()  # (op, bytes of one call) -> calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,7 +105,9 @@ class Count(TorchDispatchMode):
         name = str(func.overloadpacket.__name__)
         if name not in PROFILER:
             self.ops[name] += 1
-            self.bytes[name] += self.moved(func, name, args, kwargs, out)
+            moved = self.moved(func, name, args, kwargs, out)
+            self.bytes[name] += moved
+            self.sizes[name, moved] += 1
         return out
 
     def moved(self, func, name: str, args, kwargs, out) -> int:
@@ -170,11 +173,28 @@ def marginal(run, model: list[str], extra: list[str], n1: int, n2: int, warmup: 
         count(run, model, extra, warmup)
     first, second = count(run, model, extra, n1), count(run, model, extra, n2)
     n = n2 - n1
-    # an epoch's start (the sampler's permutation, ...) adds a few ops once in a while: a step's count of each op
-    # is the whole part of its marginal count, which leaves them out (and their bytes, a step's ops' bytes kept)
+    # an epoch's start (the sampler's permutation, ...) and end (validation, a shorter last batch) add a few ops once
+    # in a while: a step's count of each op is the whole part of its marginal count, which leaves them out
     ops = Counter({k: (second.ops[k] - first.ops[k]) // n for k in set(first.ops) | set(second.ops)})
     ops = Counter({k: v for k, v in ops.items() if v})
-    return ops, Counter({k: (second.bytes[k] - first.bytes[k]) // n for k in ops})
+    return ops, Counter({k: step_bytes(k, ops[k], first.sizes, second.sizes, n) for k in ops})
+
+
+def step_bytes(op: str, calls: int, first: Counter, second: Counter, n: int) -> int:
+    """The bytes of a step's ``calls`` calls of ``op``: of its calls of each size, the marginal count rounded (a
+    size that a step does not call every time, such as an epoch's shorter last batch or validation, is left out),
+    the most frequent first; calls whose size changes from step to step (a data-dependent shape) are priced at the
+    mean of the others."""
+    diff = {b: second[o, b] - first[o, b] for o, b in set(first) | set(second) if o == op}
+    kept: dict[int, int] = {}
+    for b, d in sorted(diff.items(), key=lambda kv: -kv[1]):
+        if (k := min((2 * d + n) // (2 * n), calls - sum(kept.values()))) > 0:
+            kept[b] = k
+    moved = sum(b * k for b, k in kept.items())
+    rest = {b: d - n * kept.get(b, 0) for b, d in diff.items() if d - n * kept.get(b, 0) > 0}
+    if (missing := calls - sum(kept.values())) > 0 and rest:
+        moved += missing * sum(b * k for b, k in rest.items()) // sum(rest.values())
+    return moved
 
 
 def per_step(run, model: list[str], extra: list[str], n1: int, n2: int, warmup: int) -> Counter[str]:
@@ -259,7 +279,7 @@ def main() -> None:
     print("|---|" + "---|" * len(logs))
     for m, counts in rows:
         extra_b = [counts[c][1][1].total() - counts[c][0][1].total() for c in logs]
-        print(f"| {m} | " + " | ".join(f"{mb(b)} ({b / HBM * 1e3:.2f})" for b in extra_b) + " |")
+        print(f"| {m} | " + " | ".join(f"{mb(b)} ({b / HBM * 1e3:.3f})" for b in extra_b) + " |")
     if scaled:
         print("\n" + "\n".join(scaled))
 

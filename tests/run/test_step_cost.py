@@ -51,6 +51,14 @@ def test_the_bytes_an_op_reads_and_writes_are_its_distinct_tensors_and_a_view_mo
     # a step of one sum: the marginal count reads the tensor and writes the scalar
     ops, moved_bytes = oc.marginal(lambda model, steps, extra: [x.sum() for _ in range(steps)], [], [], 2, 5, 0)
     assert ops == {"sum": 1} and moved_bytes == {"sum": x.nbytes + x.sum().nbytes}
+    # a step whose size changes: the mean of the marginal steps' (sums of 102, 103 and 104 elements)
+    ops, moved_bytes = oc.marginal(lambda model, steps, extra: [x[:100 + i].sum() for i in range(steps)],
+                                   [], [], 2, 5, 0)
+    assert ops == {"slice": 1, "sum": 1} and moved_bytes == {"slice": 0, "sum": 103 * 4 + 4}
+    # one odd step in the window (an epoch's shorter last batch): a step's bytes are a full step's
+    ops, moved_bytes = oc.marginal(lambda model, steps, extra: [x[:10 if i == 4 else 1000].sum() for i in range(steps)],
+                                   [], [], 2, 6, 0)
+    assert ops == {"slice": 1, "sum": 1} and moved_bytes == {"slice": 0, "sum": x.nbytes + 4}
     assert moved(lambda: x.add_(y)) == ({"add_": 1}, {"add_": 3 * x.nbytes})  # x read and written, y read
     # x read once, whichever tensor object holds it
     assert moved(lambda: x.mul(x.detach())) == ({"detach": 1, "mul": 1}, {"detach": 0, "mul": 2 * x.nbytes})
