@@ -19,7 +19,7 @@ Beside the ops, the bytes they move: each op that is not a view counts the bytes
 and outputs (an in-place op's tensor once read and once written). Without fusion or caches, an upper bound of a
 step's DRAM traffic on a GPU, whose log step is priced in bytes more than in launches; divided by a card's
 bandwidth, a lower bound of their time. gpt2_124m's activations grow with the batch: its ``d0`` and ``c`` log
-steps are counted again at batch 2, which splits their bytes into the part per 32 tokens and the rest.
+steps are counted again at batch 4, which splits their bytes into the part per 32 tokens and the rest.
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ WRITE_ONLY = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "r
 ALLOCATE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 
 
+# ops that read (gather) or write (scatter, in place) only the positions an index picks in their first argument:
+# it counts at most as many elements as their largest other tensor (the output of a gather, the values or the
+# index of a scatter)
+GATHER = {"take", "index_select", "gather", "index", "embedding"}
+SCATTER = {"index_put_", "index_add_", "index_copy_", "scatter_", "scatter_add_", "scatter_reduce_", "put_",
+           "masked_scatter_"}
+
+
 def template(name: str) -> bool:
     return name.startswith("new_") or name.endswith("_like")
 
@@ -90,7 +98,8 @@ class Count(TorchDispatchMode):
     """Counts the aten ops dispatched while it is active, by name, and the bytes each op reads and writes: the
     ``nbytes`` of its distinct tensor inputs and outputs on ``device`` (every device when None). A view (an op
     whose outputs alias its inputs) moves none; the tensor an in-place op writes counts once read and once
-    written, an ``out=`` tensor once written. An upper bound of the DRAM traffic of unfused kernels."""
+    written, an ``out=`` tensor once written, an indexed one (``GATHER``, ``SCATTER``) the elements its index can
+    pick. An upper bound of the DRAM traffic of unfused kernels."""
 
     def __init__(self, device: str | None = None) -> None:
         super().__init__()
@@ -126,7 +135,12 @@ class Count(TorchDispatchMode):
             stored = {t.untyped_storage().data_ptr() for t in ins.values()}
             if outs and all(t.untyped_storage().data_ptr() in stored for t in outs.values()):
                 return 0
-        return sum(map(nbytes, ins.values())) + sum(map(nbytes, outs.values()))
+        first = next(iter(tensors(args[:1])), None)
+        if first is None or (name not in GATHER and name not in SCATTER):
+            return sum(map(nbytes, ins.values())) + sum(map(nbytes, outs.values()))
+        others = outs.values() if name in GATHER else [t for t in tensors(args[1:]) if key(t) != key(first)]
+        most = max((t.numel() for t in others), default=0) * first.element_size()
+        return sum(min(nbytes(t), most) if key(t) == key(first) else nbytes(t) for d in (ins, outs) for t in d.values())
 
     def distinct(self, tree) -> dict[tuple, torch.Tensor]:
         return {key(t): t for t in tensors(tree) if self.device is None or t.device.type == self.device}
@@ -211,7 +225,8 @@ def main() -> None:
     parser.add_argument("--models", default="small_cnn,gpt_small,gpt2_124m")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--steps", default="20,40", help="n1,n2: the marginal count over n1 -> n2 steps")
-    parser.add_argument("--ops", action="store_true", help="print each case's ops beyond a's, by name")
+    parser.add_argument("--ops", action="store_true",
+                        help="print each case's ops beyond a's, and the bytes a log step adds, by op name")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -243,12 +258,17 @@ def main() -> None:
         rows.append((m, counts))
         if args.ops and "a" in counts:
             base = counts["a"][0][0]
-            for case, ((plain, _), _) in counts.items():
+            for case, ((plain, plain_b), (logged, logged_b)) in counts.items():
                 extra_ops = plain - base
                 fewer = base - plain
                 print(f"\n{m} {case}: +{sum(extra_ops.values())} -{sum(fewer.values())} over a: "
                       + ", ".join(f"{k} {v}" for k, v in sorted(extra_ops.items(), key=lambda kv: -kv[1]))
                       + ("; fewer: " + ", ".join(f"{k} {v}" for k, v in fewer.items()) if fewer else ""))
+                log_b = {k: logged_b[k] - plain_b[k] for k in logged_b if logged_b[k] != plain_b[k]}
+                if log_b:
+                    print(f"{m} {case}: a log step's MB beyond a step's: "
+                          + ", ".join(f"{k} {mb(v)} ({logged[k] - plain[k]:+d} ops)"
+                                      for k, v in sorted(log_b.items(), key=lambda kv: -kv[1])))
     print(f"\ntorch {torch.__version__}; aten ops per step, marginal over {n1} -> {n2} steps (gpt2_124m: 2 -> 4, "
           "batch 1 x 32 tokens, on the CPU); a step that does not log / a log step (stats.every=1)\n")
     cols = [c for c in CASES if c in wanted]
@@ -285,23 +305,23 @@ def main() -> None:
 
 
 HBM = 3.35e12  # B/s: an H100 SXM's HBM3, its peak
-# gpt2_124m's log step at batch 1 x 32 tokens and 2 x 32: what grows with the batch (the activations' statistics),
-# per sequence of 32 tokens, times the benchmark's 8 x 1024 tokens
-SCALE = {"gpt2_124m": (["data.batch_size=2"], 8 * 1024 // 32)}
+# gpt2_124m's log step at batch 1 x 32 tokens and 4 x 32: what grows with the batch (the activations' statistics),
+# per row of 32 tokens, times the rows of the benchmark's 8 x 1024 tokens
+SCALE = {"gpt2_124m": (4, 8 * 1024 // 32)}
 SCALE_CASES = ("d0", "c")
 
 
 def scale(m: str, run, model: list[str], extra: list[str], steps: tuple[int, int], one: int) -> str:
-    """A log step's extra bytes ``one`` at the counted batch, split by a second count at twice the batch into the
-    part per batch row and the rest, and that extrapolated to the benchmark's batch."""
-    more, rows = SCALE[m]
-    model = [*model, *more]
-    two = [marginal(run, model, [*extra, *log], *steps, warmup=2)[1].total() for log in (NO_LOG, EVERY_STEP)]
-    row = two[1] - two[0] - one
+    """A log step's extra bytes ``one`` at batch 1, split by a second count at a larger batch into the part per
+    batch row and the rest, and that extrapolated to the benchmark's batch."""
+    batch, rows = SCALE[m]
+    model = [*model, f"data.batch_size={batch}"]
+    more = [marginal(run, model, [*extra, *log], *steps, warmup=2)[1].total() for log in (NO_LOG, EVERY_STEP)]
+    row = (more[1] - more[0] - one) / (batch - 1)
     at = one + (rows - 1) * row
-    return (f"a log step's extra {mb(one)} MB at batch 1, {mb(two[1] - two[0])} at batch 2: {mb(one - row)} MB "
-            f"fixed + {mb(row)} MB a row; at {rows} rows (8 x 1024 tokens) {mb(at)} MB, {at / HBM * 1e3:.2f} ms "
-            f"at {HBM / 1e12} TB/s")
+    return (f"a log step's extra {mb(one)} MB at batch 1, {mb(more[1] - more[0])} at batch {batch}: {mb(one - row)} "
+            f"MB fixed + {mb(row)} MB a row of 32 tokens; at {rows} rows (8 x 1024 tokens) {mb(at)} MB, "
+            f"{at / HBM * 1e3:.2f} ms at {HBM / 1e12} TB/s")
 
 
 MODELS = {

@@ -70,5 +70,9 @@ def test_the_bytes_an_op_reads_and_writes_are_its_distinct_tensors_and_a_view_mo
     # a broadcast input counts its distinct elements, a multi-tensor op each of its tensors
     assert moved(lambda: x.expand(8, 1000).sum(0))[1] == {"expand": 0, "sum": 2 * x.nbytes}
     assert moved(lambda: torch._foreach_norm([x, y]))[1] == {"_foreach_norm": 2 * x.nbytes + 2 * x.sum().nbytes}
+    # a gather reads, and an in-place scatter reads and writes, only as many elements as its index picks
+    at, values = torch.tensor([3, 1, 4, 1, 5]), torch.ones(5)
+    assert moved(lambda: x.take(at))[1] == {"take": 5 * 4 + at.nbytes + 5 * 4}
+    assert moved(lambda: x.index_put_((at,), values))[1] == {"index_put_": at.nbytes + values.nbytes + 2 * 5 * 4}
     # only tensors on the step's device count: none here for a CUDA step
     assert moved(lambda: x.sum(), device="cuda") == ({"sum": 1}, {"sum": 0})
