@@ -197,11 +197,11 @@ def marginal(run, model: list[str], extra: list[str], n1: int, n2: int, warmup: 
 def step_bytes(op: str, calls: int, first: Counter, second: Counter, n: int) -> int:
     """The bytes of a step's ``calls`` calls of ``op``: of its calls of each size, the marginal count rounded (a
     size that a step does not call every time, such as an epoch's shorter last batch or validation, is left out),
-    the most frequent first; calls whose size changes from step to step (a data-dependent shape) are priced at the
-    mean of the others."""
+    the most frequent (then the largest) first, up to the op's count; calls whose size changes from step to step
+    (a data-dependent shape) are priced at the mean of the others."""
     diff = {b: second[o, b] - first[o, b] for o, b in set(first) | set(second) if o == op}
     kept: dict[int, int] = {}
-    for b, d in sorted(diff.items(), key=lambda kv: -kv[1]):
+    for b, d in sorted(diff.items(), key=lambda kv: (-kv[1], -kv[0])):  # a tie: the larger first
         if (k := min((2 * d + n) // (2 * n), calls - sum(kept.values()))) > 0:
             kept[b] = k
     moved = sum(b * k for b, k in kept.items())
