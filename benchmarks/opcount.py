@@ -20,6 +20,7 @@ and outputs (an in-place op's tensor once read and once written). Without fusion
 step's DRAM traffic on a GPU, whose log step is priced in bytes more than in launches; divided by a card's
 bandwidth, a lower bound of their time. gpt2_124m's activations grow with the batch: its ``d0`` and ``c`` log
 steps are counted again at batch 4, which splits their bytes into the part per 32 tokens and the rest.
+``--fused`` counts the statistics' CUDA path (single passes over each row, ``stats.FUSED``) on the CPU.
 """
 
 from __future__ import annotations
@@ -225,11 +226,17 @@ def main() -> None:
     parser.add_argument("--models", default="small_cnn,gpt_small,gpt2_124m")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--steps", default="20,40", help="n1,n2: the marginal count over n1 -> n2 steps")
+    parser.add_argument("--fused", action="store_true",
+                        help="describe the statistics as on CUDA (single passes, stats.FUSED) on the CPU too")
     parser.add_argument("--ops", action="store_true",
                         help="print each case's ops beyond a's, and the bytes a log step adds, by op name")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")
+    if args.fused:
+        from hookexp.telemetry import stats
+
+        stats.FUSED = frozenset({*stats.FUSED, "cpu"})
     torch.manual_seed(0)
     n1, n2 = (int(s) for s in args.steps.split(","))
     wanted = args.cases.split(",")
@@ -269,8 +276,9 @@ def main() -> None:
                     print(f"{m} {case}: a log step's MB beyond a step's: "
                           + ", ".join(f"{k} {mb(v)} ({logged[k] - plain[k]:+d} ops)"
                                       for k, v in sorted(log_b.items(), key=lambda kv: -kv[1])))
-    print(f"\ntorch {torch.__version__}; aten ops per step, marginal over {n1} -> {n2} steps (gpt2_124m: 2 -> 4, "
-          "batch 1 x 32 tokens, on the CPU); a step that does not log / a log step (stats.every=1)\n")
+    path = "the statistics' CUDA path (--fused)" if args.fused else "the statistics' CPU path"
+    print(f"\ntorch {torch.__version__}, {path}; aten ops per step, marginal over {n1} -> {n2} steps (gpt2_124m: "
+          "2 -> 4, batch 1 x 32 tokens, on the CPU); a step that does not log / a log step (stats.every=1)\n")
     cols = [c for c in CASES if c in wanted]
     print("| model | " + " | ".join(cols) + " | trainer - a |")
     print("|---|" + "---|" * (len(cols) + 1))
