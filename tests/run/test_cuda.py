@@ -88,8 +88,17 @@ def test_with_records_landing_late_no_step_syncs_the_host(tmp_path: Path, monkey
             return original(self, *args, **kwargs)
         return wrapper
 
+    landed: list[tuple[int, int]] = []  # (the step a record describes, the trainer's step count as it lands)
+    land = Trainer.land
+
+    def landing(self: Trainer):
+        if self.flight is not None:
+            landed.append((self.flight[0], self.loop.step))
+        return land(self)
+
     for name in ("evaluate", "maybe_checkpoint"):
         monkeypatch.setattr(Trainer, name, may_sync(getattr(Trainer, name)))
+    monkeypatch.setattr(Trainer, "land", landing)
     monkeypatch.setattr(Observers, "start", start_step)
     try:  # 12 steps: within the first epoch (a smaller last batch would make the activations a new layout)
         summary = train(config("stats.every=1", "stats.grads=*", "stats.activations=relu*", "stats.hist_bins=16",
@@ -99,6 +108,8 @@ def test_with_records_landing_late_no_step_syncs_the_host(tmp_path: Path, monkey
     assert summary["status"] == "finished" and all(late) and late
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["trainer/step"] for r in rows] == list(range(12)) and all("act/relu1/std" in r for r in rows)
+    # the sync debug mode cannot see an event's wait: that each record landed a step late is asserted here
+    assert landed == [(s, s + 2) for s in range(11)] + [(11, 12)]  # the last before the final validation
 
 
 def test_a_cuda_run_logs_the_statistics_a_cpu_run_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
