@@ -274,7 +274,8 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
 
 
 def _combine(parts: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
-    """The ranks' partials (``[ranks * n, COLUMNS]``) of the ``n`` tensors ``seg`` assigns them to, combined:
+    """Partials of parts of tensors (the ranks' ``[ranks * n, COLUMNS]``; on CUDA also each rank's rows) of the
+    ``n`` tensors ``seg`` assigns them to, combined:
     each part's central moments moved to the common mean (d = part mean - mean) and summed: M2 + c d^2,
     M3 + 3 d M2 + c d^3, M4 + 4 d M3 + 6 d^2 M2 + c d^4 (c: the part's count)."""
     out = parts.new_zeros(n, COLUMNS).index_add_(0, seg, parts)
