@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/log_step.py                          # small CNN, all statistics, every 2nd step
     .venv/bin/python benchmarks/log_step.py --models deep_mlp --every 10 --runs 5
+    .venv/bin/python benchmarks/log_step.py --models gpt2_host --fused --steps 200  # c's host part on a GPU
 
 `overhead.py` compares separate runs; on a 2-core VM their speed differs by far more than the statistics
 cost (see benchmarks/README.md). Here the trainer runs with ``stats.every=N`` and every step is timed where it ends;
@@ -20,7 +21,8 @@ import statistics
 import time
 from itertools import pairwise
 
-from overhead import MODELS, stats_all, trainer_loop  # this script's folder is on sys.path when it is run
+# this script's folder is on sys.path when it is run
+from overhead import MODELS, add_fused, stats_all, trainer_loop, use_fused
 
 from hookexp.telemetry.observer import Observers
 
@@ -50,7 +52,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2, help="stats.every: a log step every N steps")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--runs", type=int, default=3)
+    add_fused(parser)
     args = parser.parse_args()
+    use_fused(args)
     Observers.end = end_step_timed  # the trainer's last call of every step, timed
     print(f"stats.every={args.every}, {args.steps} steps a run, median ms per step; extra = log step - other step")
     print("\n| model | statistics | run | other step | log step | extra | log / other |\n|---|---|---|---|---|---|---|")

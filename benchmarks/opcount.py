@@ -226,17 +226,13 @@ def main() -> None:
     parser.add_argument("--models", default="small_cnn,gpt_small,gpt2_124m")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--steps", default="20,40", help="n1,n2: the marginal count over n1 -> n2 steps")
-    parser.add_argument("--fused", action="store_true",
-                        help="describe the statistics as on CUDA (single passes, stats.FUSED) on the CPU too")
+    overhead.add_fused(parser)
     parser.add_argument("--ops", action="store_true",
                         help="print each case's ops beyond a's, and the bytes a log step adds, by op name")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")
-    if args.fused:
-        from hookexp.telemetry import stats
-
-        stats.FUSED = frozenset({*stats.FUSED, "cpu"})
+    overhead.use_fused(args)
     torch.manual_seed(0)
     n1, n2 = (int(s) for s in args.steps.split(","))
     wanted = args.cases.split(",")

@@ -20,6 +20,10 @@ Models (``--models``; steps per case, unless ``--steps`` gives one count for all
                like GPT-2's rarely seen tokens), head tied to the embedding: 124.4M parameters; batch 8 x 1024
                tokens, AdamW, bf16 autocast (trainer.precision=bf16, and the same autocast in the hand loops)
                (40 steps; a GPU model: in the default --models only with --device cuda)
+  gpt2_host    gpt2_124m's blocks, heads, tied head, AdamW and bf16 autocast at d_model 24, context 32, batch 1,
+               the corpus's own characters: gpt2_124m's ops a step on tiny tensors, so that on a CPU a step's time
+               is mostly the host's (Python, dispatch: what a GPU's host pays besides the launches; log_step.py)
+               (100 steps; only where named)
 
 Cases, interleaved in every repeat in a shuffled order (each case's time is the mean step time over its steps).
 The default set is issue 19's (a, b, c, d0, d, d_all, a_wb, w, e); ``--cases all`` adds the rest:
@@ -115,6 +119,7 @@ class Bench:
     group_by: str | None = None  # d_all's stats.group_by (one norm per block)
     needs: str | None = None  # a module that must import, else the model is skipped
     gpu: bool = False  # in the default --models only with a CUDA --device (too slow for a CPU)
+    asked: bool = False  # never in the default --models: only where named
 
 
 LM = ("task=causal_lm", "data=text_file", f"data.path={README}", "data.block_size=128", "data.batch_size=8",
@@ -122,6 +127,10 @@ LM = ("task=causal_lm", "data=text_file", f"data.path={README}", "data.block_siz
 GPT2_SMALL = ("task=causal_lm", "data=text_file", f"data.path={README}", "data.block_size=1024", "data.batch_size=8",
               "optim=adamw", "model=gpt", "model.vocab_size=50257", "model.d_model=768", "model.n_layer=12",
               "model.n_head=12", "model.tie_weights=true", "trainer.precision=bf16")
+# gpt2_124m's ops on tiny tensors: a CPU step's time is mostly the host's (Python, dispatch), which a GPU's host pays
+GPT2_HOST = ("task=causal_lm", "data=text_file", f"data.path={README}", "data.block_size=32", "data.batch_size=1",
+             "optim=adamw", "model=gpt", "model.block_size=32", "model.d_model=24", "model.n_layer=12",
+             "model.n_head=12", "model.tie_weights=true", "trainer.precision=bf16")
 MODELS = {
     "small_cnn": Bench(("model=small_cnn",), "relu*"),
     "deep_mlp": Bench(("model=mlp", "model.depth=32", "model.width=64", "model.norm=layer", "optim=adamw"), "relu*"),
@@ -130,6 +139,7 @@ MODELS = {
     "hf_gpt2": Bench((*LM, "model=hf", "model.config.n_embd=256", "model.config.n_layer=4", "model.config.n_head=4"),
                      "transformer.h.*.mlp", 60, r"re:^transformer\.h\.\d+", needs="transformers"),
     "gpt2_124m": Bench(GPT2_SMALL, "blocks.*.mlp", 40, r"re:^blocks\.\d+", gpu=True),
+    "gpt2_host": Bench(GPT2_HOST, "blocks.*.mlp", 100, r"re:^blocks\.\d+", asked=True),
 }
 CLAMP = {"min": -1e-3, "max": 1e-3}
 
@@ -262,6 +272,21 @@ STATS_OFF = ["stats.grads=null", "stats.every=1000000000"]
 FSDP = ["trainer.strategy=fsdp"]  # one process: the trainer makes a process group of one rank (nccl / gloo)
 
 
+def add_fused(parser: argparse.ArgumentParser) -> None:
+    """The ``--fused`` flag (:func:`use_fused`)."""
+    parser.add_argument("--fused", action="store_true",
+                        help="describe the statistics as on CUDA (single passes, stats.FUSED) on the CPU too")
+
+
+def use_fused(args: argparse.Namespace) -> None:
+    """With ``--fused``, the statistics are described as on CUDA (single passes over each row, ``stats.FUSED``) on
+    the CPU too: what a GPU's host dispatches and its kernels move, on any machine."""
+    if args.fused:
+        from hookexp.telemetry import stats
+
+        stats.FUSED = frozenset({*stats.FUSED, "cpu"})
+
+
 def stats_all(activations: str) -> list[str]:
     """Case c's statistics: every gradient statistic and the activation statistics of ``activations``, each
     with a 32-bin histogram."""
@@ -358,10 +383,12 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides appended to "
                         "every model's (e.g. data.batch_size=2 data.block_size=64 for a quick check)")
     parser.add_argument("--json", type=Path, help="write the step times (seconds, per model, case and repeat) there")
+    add_fused(parser)
     args = parser.parse_args()
+    use_fused(args)
     if args.models is None:
         cuda = args.device.startswith("cuda")
-        args.models = ",".join(m for m, b in MODELS.items() if cuda or not b.gpu)
+        args.models = ",".join(m for m, b in MODELS.items() if (cuda or not b.gpu) and not b.asked)
     import logging
 
     logging.disable(logging.WARNING)

@@ -85,6 +85,14 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def vote(self, flag: bool, device: torch.device) -> torch.Tensor:
+        """:meth:`any` on its way: a 1-element tensor on ``device``, 1 where any rank says yes, all-reduced behind
+        the work queued so far (no host sync on CUDA; read it with the log step's other values)."""
+        t = torch.full((1,), 1.0 if flag else 0.0, device=device)
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def all_true(self, flag: torch.Tensor) -> torch.Tensor:
         """A 0-d bool tensor that is true where it is true on every rank (one all-reduce, on the device)."""
         if not self.enabled:

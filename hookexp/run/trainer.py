@@ -143,6 +143,7 @@ class Trainer:
         self.guard.wait_on_log = not self.late  # its flags are read as they arrive, at each step's end
         self.last_log_time = time.perf_counter()
         self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
+        self.stop_agreed = False  # several ranks, records landing late: a rank asked to stop (stop_requested)
         self.stopped_by = parts.limit  # what ended the run, for the summary and the final line
         self.first_step_s = 0.0  # the first step's seconds in this process: torch.compile's compile, lazy set-up
         # disable=None: a bar only when stderr is a terminal (never glued to redirected log lines)
@@ -264,7 +265,11 @@ class Trainer:
         self.last_log_time, loop.last_log_step = now, loop.step
         if loop.step == self.parts.total_steps:  # the last steps' guard flags are read before the run ends
             self.guard.wait_on_log = True
-        self.flight = (step, self.observers.send(), extra, self.period)
+        # ranks on CUDA: whether any was asked to stop travels with the values (no .item() to agree now); every
+        # rank lands it at the same point and stops after that step
+        vote = (self.parts.ranks.vote(self.ckpt.stops.requested, self.parts.device), self.agree_to_stop) \
+            if self.late and self.parts.ranks.enabled else None
+        self.flight = (step, self.observers.send(*filter(None, [vote])), extra, self.period)
         self.period = []
         return None if self.late else self.land()
 
@@ -291,6 +296,11 @@ class Trainer:
                 self.bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items()
                                       if k.startswith("train/")})
         return spike
+
+    def agree_to_stop(self, host: Any) -> dict[str, Any]:
+        """The ranks' vote (:meth:`log_step`), landed: any rank asked to stop."""
+        self.stop_agreed = self.stop_agreed or bool(host[0] > 0)
+        return {}
 
     def draw_forensics(self) -> None:
         """Each new forensics report as ``forensics/step_<N>.png``, also to the backends (rank 0)."""
@@ -342,11 +352,14 @@ class Trainer:
         return val
 
     def stop_requested(self, log_now: bool) -> bool:
-        """Whether a signal asks the run to stop. Under DDP the ranks agree on log steps only, so no other step
-        pays a collective."""
+        """Whether a signal asks the run to stop. Several ranks agree on log steps only, so no other step pays a
+        collective; where records land late (CUDA), on the vote of the last log step, landed with its record."""
         ranks = self.parts.ranks
-        return bool(self.ckpt.stops.requested if not ranks.enabled else (
-            log_now and ranks.any(self.ckpt.stops.requested, self.parts.device)))
+        if not ranks.enabled:
+            return bool(self.ckpt.stops.requested)
+        if self.late:
+            return self.stop_agreed
+        return bool(log_now and ranks.any(self.ckpt.stops.requested, self.parts.device))
 
     def maybe_checkpoint(self, result: StepResult, stopping: bool) -> None:
         """A checkpoint when one is due (every ``trainer.checkpoint_every`` steps, the last step, the step

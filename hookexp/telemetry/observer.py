@@ -106,10 +106,10 @@ class Observers:
         """The log step: every observer's values in one read-back (``.../hist`` keys hold (counts, edges))."""
         return read([o.pending() for o in self])
 
-    def send(self) -> Flight:
+    def send(self, *extra: Pending) -> Flight:
         """The log step's values on their way to the host (no sync on CUDA); ``land()`` gives what :meth:`read`
-        gives."""
-        return Flight([o.pending() for o in self])
+        gives. ``extra``: the driver's own values, in the same copy."""
+        return Flight([*(o.pending() for o in self), *extra])
 
     def observe(self, metrics: Mapping[str, Any], step: int) -> dict[str, Any]:
         """Each observer's answer to the logged ``metrics`` that is not None, by name."""

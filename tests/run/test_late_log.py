@@ -118,3 +118,24 @@ def test_a_non_finite_last_step_is_raised_as_when_read_at_once(tmp_path, monkeyp
     with pytest.raises(NonFiniteError, match="at step 5"):
         run(tmp_path, "run", late, monkeypatch, poison, "guard.nan_policy=raise", "stats.every=2",
             "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.eval_every=0")
+
+
+@pytest.mark.parametrize(("late", "steps"), [(False, 5), (True, 6)])
+def test_ranks_agree_to_stop_on_a_vote_that_lands_with_the_log_steps_record(tmp_path, monkeypatch, late, steps):
+    """Several ranks (a DDP group of one, counted as several) stop after the same step. SIGTERM during step 3, log
+    steps 0, 2, 4: read at once, the ranks agree at log step 4 (``Dist.any``, a sync); landing late, no rank reads
+    anything at log step 4: the vote travels with its record and every rank stops after step 5, where it lands."""
+    from hookexp.run.distributed import Dist
+
+    monkeypatch.setattr(Dist, "enabled", property(lambda self: self.strategy != "single"))
+    if late:
+        monkeypatch.setattr(Dist, "any", lambda *args: pytest.fail("a log step read the ranks' vote at once"))
+    stop = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module, "lands_late", lambda *args: late)
+        summary = train(config(*EVERY_STAT, stop, "trainer.strategy=ddp", "stats.every=2", "trainer.max_steps=12"),
+                        tmp_path)
+    assert summary["status"] == "interrupted" and summary["trainer/steps"] == steps
+    assert summary["dist/world_size"] == 1  # the group of one, counted as several ranks
+    logged = [r["trainer/step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert logged == [0, 2, 4]
