@@ -19,7 +19,7 @@ LAYERS = [
     ("hookexp.run.sinks", "hookexp.analysis.plots"),  # the trainer writes through the sinks and draws a plot
     ("hookexp.run",),
     ("hookexp.analysis",),  # report, ablate
-    ("hookexp.integrations", "hookexp.cli", "hookexp.__main__", "hookexp.conf", "hookexp"),
+    ("hookexp.integrations", "hookexp.cli", "hookexp.__main__", "hookexp.report", "hookexp.conf", "hookexp"),
 ]
 
 

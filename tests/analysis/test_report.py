@@ -154,14 +154,17 @@ def test_a_torn_last_line_is_skipped_and_a_killed_job_listed(tmp_path):
            "trainer/step 20)" in markdown
 
 
-def run_report(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hookexp", "report", *args], cwd=cwd, capture_output=True, text=True,
+def run_report(args: list[str], cwd: Path, command: tuple[str, ...] = ("hookexp", "report")
+               ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *command, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 
-def test_out_creates_missing_folders(tmp_path):
+@pytest.mark.parametrize("command", [("hookexp", "report"), ("hookexp.report",)])
+def test_out_creates_missing_folders(tmp_path, command):
+    """``hookexp report`` and ``python -m hookexp.report`` (the design's spelling) are one command."""
     make_sweep(tmp_path / "sweep")
-    done = run_report(["sweep", "--out", "missing/dir", "--reach", "val/acc=0.95", "--logx"], tmp_path)
+    done = run_report(["sweep", "--out", "missing/dir", "--reach", "val/acc=0.95", "--logx"], tmp_path, command)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "missing" / "dir"
     assert (out / "report.md").read_text() in done.stdout + "\n"
