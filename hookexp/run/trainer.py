@@ -193,7 +193,8 @@ class Trainer:
             if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
                 self.evaluate()
             stopping = self.stop_requested(log_now)
-            self.maybe_checkpoint(result, stopping)
+            if self.maybe_checkpoint(result, stopping) and self.late and not stopping:
+                stopping = self.stop_requested(log_now)  # a vote landed with the checkpoint: it is the stop's
             if stopping:
                 log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.stops.signum, loop.step,
                             self.ckpt.path)
@@ -361,9 +362,9 @@ class Trainer:
             return self.stop_agreed
         return bool(log_now and ranks.any(self.ckpt.stops.requested, self.parts.device))
 
-    def maybe_checkpoint(self, result: StepResult, stopping: bool) -> None:
+    def maybe_checkpoint(self, result: StepResult, stopping: bool) -> bool:
         """A checkpoint when one is due (every ``trainer.checkpoint_every`` steps, the last step, the step
-        ``stop_when`` held, a spike, ``stopping``: a signal)."""
+        ``stop_when`` held, a spike, ``stopping``: a signal); returns whether one was written."""
         loop, every = self.loop, self.cfg.trainer.checkpoint_every
         due = every and result.taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
                                           or self.reached is not None)
@@ -371,8 +372,9 @@ class Trainer:
             self.land()  # the files the checkpoint's position covers are whole
             if self.ckpt.finite(self.parts.model):  # never a non-finite state: it would replace the last good one
                 self.ckpt.save(loop)
-            else:
-                self.guard.refuse_checkpoint(loop.step, self.ckpt.saved_step)
+                return True
+            self.guard.refuse_checkpoint(loop.step, self.ckpt.saved_step)
+        return False
 
     @contextlib.contextmanager
     def explaining(self) -> Any:

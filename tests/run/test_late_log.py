@@ -120,22 +120,32 @@ def test_a_non_finite_last_step_is_raised_as_when_read_at_once(tmp_path, monkeyp
             "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.eval_every=0")
 
 
-@pytest.mark.parametrize(("late", "steps"), [(False, 5), (True, 6)])
-def test_ranks_agree_to_stop_on_a_vote_that_lands_with_the_log_steps_record(tmp_path, monkeypatch, late, steps):
-    """Several ranks (a DDP group of one, counted as several) stop after the same step. SIGTERM during step 3, log
-    steps 0, 2, 4: read at once, the ranks agree at log step 4 (``Dist.any``, a sync); landing late, no rank reads
-    anything at log step 4: the vote travels with its record and every rank stops after step 5, where it lands."""
+@pytest.mark.parametrize(("late", "overrides", "steps"), [
+    (False, (), 5), (True, (), 5), (True, ("trainer.checkpoint_every=0",), 6),
+    (True, ("trainer.checkpoint_every=0", "trainer.eval_every=5"), 5)])
+def test_ranks_agree_to_stop_on_a_vote_that_lands_with_the_log_steps_record(tmp_path, monkeypatch, late, overrides,
+                                                                             steps):
+    """Several ranks (a DDP group of one, counted as several) stop after the same step, with one checkpoint there.
+    SIGTERM during step 3, log steps 0, 2, 4: read at once, the ranks agree at log step 4 (``Dist.any``, a sync);
+    landing late, no rank reads anything at log step 4: the vote travels with its record and every rank stops
+    after the step where it lands: step 4 where the checkpoint or the validation after it lands it, else step 5."""
+    from hookexp.run.checkpoint import Checkpointer
     from hookexp.run.distributed import Dist
 
     monkeypatch.setattr(Dist, "enabled", property(lambda self: self.strategy != "single"))
     if late:
         monkeypatch.setattr(Dist, "any", lambda *args: pytest.fail("a log step read the ranks' vote at once"))
+    saved: list[int] = []
+    save = Checkpointer.save
+    monkeypatch.setattr(Checkpointer, "save", lambda self, loop, *args: saved.append(loop.step) or save(
+        self, loop, *args))
     stop = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"
     with monkeypatch.context() as m:
         m.setattr(trainer_module, "lands_late", lambda *args: late)
-        summary = train(config(*EVERY_STAT, stop, "trainer.strategy=ddp", "stats.every=2", "trainer.max_steps=12"),
-                        tmp_path)
+        summary = train(config(*EVERY_STAT, stop, "trainer.strategy=ddp", "stats.every=2", "trainer.max_steps=12",
+                               *overrides), tmp_path)
     assert summary["status"] == "interrupted" and summary["trainer/steps"] == steps
+    assert saved == [steps]  # the stop's checkpoint, written once (no step and no checkpoint after one due there)
     assert summary["dist/world_size"] == 1  # the group of one, counted as several ranks
     logged = [r["trainer/step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert logged == [0, 2, 4]
