@@ -264,8 +264,6 @@ class Trainer:
         extra = {"epoch": loop.epoch, "perf/step_time": (now - self.last_log_time) / max(
             loop.step - loop.last_log_step, 1)}
         self.last_log_time, loop.last_log_step = now, loop.step
-        if loop.step == self.parts.total_steps:  # the last steps' guard flags are read before the run ends
-            self.guard.wait_on_log = True
         # ranks on CUDA: whether any was asked to stop travels with the values (no .item() to agree now); every
         # rank lands it at the same point and stops after that step
         vote = (self.parts.ranks.vote(self.ckpt.stops.requested, self.parts.device), self.agree_to_stop) \
@@ -302,6 +300,12 @@ class Trainer:
         """The ranks' vote (:meth:`log_step`), landed: any rank asked to stop."""
         self.stop_agreed = self.stop_agreed or bool(host[0] > 0)
         return {}
+
+    def settle(self) -> None:
+        """Where the host syncs anyway (validation, a checkpoint, the run's end): the record on its way lands, and
+        the observers act on what else is on its way (the guard's flags of the last steps)."""
+        self.land()
+        self.observers.settle()
 
     def draw_forensics(self) -> None:
         """Each new forensics report as ``forensics/step_<N>.png``, also to the backends (rank 0)."""
@@ -344,7 +348,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validate after the last step's update and log it under that step."""
-        self.land()
+        self.settle()
         val = self.validation_metrics()
         self.loop.evaluated = self.loop.step - 1
         if val:
@@ -369,7 +373,7 @@ class Trainer:
         due = every and result.taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
                                           or self.reached is not None)
         if stopping or due or (result.spike is not None and self.recorder.checkpoint):
-            self.land()  # the files the checkpoint's position covers are whole
+            self.settle()  # the files the checkpoint's position covers are whole; no bad step unreported
             if self.ckpt.finite(self.parts.model):  # never a non-finite state: it would replace the last good one
                 self.ckpt.save(loop)
                 return True
@@ -436,7 +440,7 @@ class Trainer:
                 return None
 
         parts, loop, run_dir = self.parts, self.loop, self.run_dir
-        attempt(self.land)
+        attempt(self.settle)
         self.bar.close()
         self.observers.close()
         attempt(self.records.save)

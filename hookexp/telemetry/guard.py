@@ -130,6 +130,10 @@ class NonFiniteGuard(Observer):
     def end(self, step: int) -> None:
         self._poll()
 
+    def settle(self) -> None:
+        """Every flag still on its way, read now (a bad step is raised or warned of as at a step's end)."""
+        self._poll(wait=True)
+
     def pending(self) -> tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]:
         """A log step (it syncs anyway, unless ``wait_on_log`` is False): every flag still on its way is read now."""
         self._poll(wait=self.wait_on_log)

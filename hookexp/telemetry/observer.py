@@ -3,8 +3,9 @@
 Everything that watches training is an :class:`Observer`; the trainer, :func:`hookexp.watch` and the callbacks
 drive the same objects (built by :func:`hookexp.telemetry.assemble.build_observers`) through one
 :class:`Observers`: ``start(step, log)``, ``allow_update`` (the trainer), ``before_update``, ``after_update``,
-``read()`` (a log step: one device-to-host copy), ``observe(metrics, step)``, ``end(step)``. Observers hold
-device tensors between these calls and never sync the host off log steps; docs/internals.md, "The observer seam".
+``read()`` (a log step: one device-to-host copy), ``observe(metrics, step)``, ``end(step)``, ``settle()``.
+Observers hold device tensors between these calls and never sync the host off log steps (``settle()`` aside);
+docs/internals.md, "The observer seam".
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Observer:
 
     def end(self, step: int) -> None:
         """After step ``step``."""
+
+    def settle(self) -> None:
+        """Act on every value still on its way to the host (it may sync): where the driver syncs anyway (the trainer:
+        before validation, before a checkpoint and as the run ends, also when a signal stops it)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -119,6 +124,10 @@ class Observers:
     def end(self, step: int) -> None:
         for o in self:
             o.end(step)
+
+    def settle(self) -> None:
+        for o in self:
+            o.settle()
 
     def state_dict(self) -> dict[str, Any]:
         return {name: state for name, o in self.named.items() if (state := o.state_dict())}

@@ -90,11 +90,9 @@ def test_records_land_late_on_cuda_only_where_nothing_acts_on_them_at_once(chang
     assert trainer_module.lands_late(parts, recorder, rollback) is late
 
 
-@pytest.mark.parametrize("late", [False, True])
-def test_a_non_finite_last_step_is_raised_as_when_read_at_once(tmp_path, monkeypatch, late):
-    """The guard's flags as on a GPU (read a step later, here: only when waited for): a NaN gradient at the last
-    step fails the run, landed late or not; the last log step waits for the flags on their way."""
-    from hookexp.errors import NonFiniteError
+@pytest.fixture
+def flags_on_their_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard's flags as on a GPU (``raise``: read a step later), here read only when waited for."""
     from hookexp.telemetry.guard import NonFiniteGuard
     from hookexp.telemetry.spike import Deferred
 
@@ -109,15 +107,39 @@ def test_a_non_finite_last_step_is_raised_as_when_read_at_once(tmp_path, monkeyp
 
     def deferred(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.sync = False  # raise on a GPU: flags read a step later
+        self.sync = False
 
     monkeypatch.setattr(NonFiniteGuard, "__init__", deferred)
     monkeypatch.setattr(Deferred, "put", lambda self, step, values: self.waiting.append(
         (step, values.detach().reshape(-1), OnItsWay())))
-    poison = "+hooks.poison={target:fc1.bias,kind:grad,transform:{_target_:user_transforms.nan_at,step:5}}"
+
+
+NAN_AT = "+hooks.poison={target:fc1.bias,kind:grad,transform:{_target_:user_transforms.nan_at,step:%d}}"
+STOP_AT = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_non_finite_last_step_is_raised_as_when_read_at_once(tmp_path, monkeypatch, flags_on_their_way, late):
+    """A NaN gradient at the last step fails the run, landed late or not: the flags on their way are read before
+    the final validation."""
+    from hookexp.errors import NonFiniteError
+
     with pytest.raises(NonFiniteError, match="at step 5"):
-        run(tmp_path, "run", late, monkeypatch, poison, "guard.nan_policy=raise", "stats.every=2",
+        run(tmp_path, "run", late, monkeypatch, NAN_AT % 5, "guard.nan_policy=raise", "stats.every=2",
             "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.eval_every=0")
+
+
+def test_a_signal_at_a_non_finite_step_reads_its_flag_before_the_checkpoint(tmp_path, monkeypatch, flags_on_their_way):
+    """SIGTERM during the step whose gradient is NaN, no log step since: the flag on its way is read before the
+    stop's checkpoint, so the run fails naming that step and the policy's fix, and writes no checkpoint."""
+    from hookexp.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError) as e:
+        run(tmp_path, "run", True, monkeypatch, NAN_AT % 3, STOP_AT % 3, "guard.nan_policy=raise", "stats.every=100",
+            "trainer.max_steps=12", "trainer.checkpoint_every=0", "trainer.eval_every=0")
+    assert str(e.value).startswith("non-finite loss or gradient at step 3: ") and "guard.nan_policy=skip_step" in \
+        str(e.value) and "No checkpoint was written" not in str(e.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(("late", "overrides", "steps"), [
@@ -139,11 +161,10 @@ def test_ranks_agree_to_stop_on_a_vote_that_lands_with_the_log_steps_record(tmp_
     save = Checkpointer.save
     monkeypatch.setattr(Checkpointer, "save", lambda self, loop, *args: saved.append(loop.step) or save(
         self, loop, *args))
-    stop = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:3}}"
     with monkeypatch.context() as m:
         m.setattr(trainer_module, "lands_late", lambda *args: late)
-        summary = train(config(*EVERY_STAT, stop, "trainer.strategy=ddp", "stats.every=2", "trainer.max_steps=12",
-                               *overrides), tmp_path)
+        summary = train(config(*EVERY_STAT, STOP_AT % 3, "trainer.strategy=ddp", "stats.every=2",
+                               "trainer.max_steps=12", *overrides), tmp_path)
     assert summary["status"] == "interrupted" and summary["trainer/steps"] == steps
     assert saved == [steps]  # the stop's checkpoint, written once (no step and no checkpoint after one due there)
     assert summary["dist/world_size"] == 1  # the group of one, counted as several ranks
