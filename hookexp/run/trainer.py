@@ -266,9 +266,9 @@ class Trainer:
         self.last_log_time, loop.last_log_step = now, loop.step
         # ranks on CUDA: whether any was asked to stop travels with the values (no .item() to agree now); every
         # rank lands it at the same point and stops after that step
-        vote = (self.parts.ranks.vote(self.ckpt.stops.requested, self.parts.device), self.agree_to_stop) \
-            if self.late and self.parts.ranks.enabled else None
-        self.flight = (step, self.observers.send(*filter(None, [vote])), extra, self.period)
+        votes = [(self.parts.ranks.vote(self.ckpt.stops.requested, self.parts.device), self.agree_to_stop)] \
+            if self.late and self.parts.ranks.enabled else []
+        self.flight = (step, self.observers.send(*votes), extra, self.period)
         self.period = []
         return None if self.late else self.land()
 
