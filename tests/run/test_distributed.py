@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +25,9 @@ SPECS = ["+hooks.local={target:fc2.bias,kind:grad,transform:record}",
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=2 -m hookexp ARGS`` with CPU ranks, also on a GPU machine."""
     env = {**os.environ, "PYTHONPATH": helpers_path(), "WANDB_SILENT": "true"}
-    with socket.socket() as s:  # a free port: a fixed one fails when another job (a second test run) holds it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    # --standalone: torchrun's own rendezvous on a port it binds itself (a port picked here and freed could be taken
+    # by a parallel test's torchrun before this one binds it)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "hookexp", "trainer.progress=false", "trainer.device=cpu", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
