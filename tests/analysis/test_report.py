@@ -375,6 +375,19 @@ def test_the_same_overrides_in_another_order_are_one_group_named_as_given(tmp_pa
     assert sum(len(g.jobs) for g in groups) == 2
 
 
+def test_a_resumed_or_overwritten_job_stays_in_its_group(tmp_path):
+    """A job of a sweep resumed after an interruption (``resume=true`` joins its overrides), or re-run over its
+    directory (``+overwrite=true``), is one more job of its group, not a group of its own."""
+    rows = [{"trainer/step": 0, "val/acc": 0.5}, {"trainer/step": 10, "val/acc": 0.97}]
+    write_job(tmp_path / "s" / "0", ["hooks=ema", "seed=0"], rows)
+    write_job(tmp_path / "s" / "1", ["hooks=ema", "seed=1", "resume=true"], rows)
+    write_job(tmp_path / "s" / "2", ["hooks=ema", "seed=2", "+overwrite=true"], rows)
+    write_job(tmp_path / "s" / "3", ["hooks=ma", "seed=0", "resume=/runs/elsewhere"], rows)
+    _, groups, _ = report([tmp_path / "s"], out_dir=tmp_path / "out")
+    assert [(g.name, [j.seed for j in g.jobs]) for g in groups] == [("hooks=ema", ["0", "1", "2"]),
+                                                                    ("hooks=ma", ["0"])]
+
+
 @pytest.mark.parametrize(("metric", "lower"), [("val/perplexity", True), ("val/token_loss", True), ("val/loss", True),
                                                ("val/acc", False), ("val/f1", False)])
 def test_the_summary_best_and_the_report_rank_a_metric_alike(tmp_path, metric, lower):
