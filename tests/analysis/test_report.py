@@ -254,6 +254,23 @@ def test_curves_on_log_axes_draw_no_band_at_or_below_zero(tmp_path):
     plt.close(fig)
 
 
+def test_a_value_logged_once_per_job_is_a_point_with_its_spread():
+    """A short run's val/acc, logged once: each group a point (a one-point line draws nothing), with the spread's
+    bar (mean ± std clipped to the jobs' range) for a group of several jobs, and a legend entry."""
+    import matplotlib.pyplot as plt
+
+    fig, (panel,) = curves_figure({"val/acc": [("hooks=ema", [{20: 0.9}, {20: 0.8}]), ("hooks=ma", [{20: 0.5}])]})
+    (ax,) = fig.axes
+    points = [line for line in ax.lines if line.get_marker() == "o"]
+    assert [(list(p.get_xdata()), list(p.get_ydata())) for p in points] == [([20.0], [pytest.approx(0.85)]),
+                                                                            ([20.0], [0.5])]
+    (bar,) = [c for c in ax.collections if len(c.get_segments())]  # hooks=ma, one job: no bar
+    assert bar.get_segments()[0][:, 1].tolist() == [pytest.approx(0.8), pytest.approx(0.9)]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["hooks=ema", "hooks=ma"]
+    assert [b.label for b in panel.bands] == ["hooks=ema", "hooks=ma"]
+    plt.close(fig)
+
+
 def test_long_group_names_are_shortened_for_the_legend():
     names = ["hooks=grokfast_ema optim.weight_decay=0.005 hooks.grokfast_ema.args.lamb=2.0",
              "hooks=grokfast_ma optim.weight_decay=0.01 hooks.grokfast_ma.args.lamb=5.0",
