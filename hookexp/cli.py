@@ -157,6 +157,9 @@ def run(cfg: DictConfig) -> Any:
     metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
 
     check_targets(cfg, overrides)  # the model's and optimizer's keys, before the data is loaded
+    kept = finished_job(run_dir) if hc.mode == RunMode.MULTIRUN and rundir.truthy(cfg.get("resume")) else None
+    if kept is not None:  # a resumed sweep: this job finished before (without a checkpoint to extend from)
+        return objective_value(metric, kept)
     if cfg.get("dry_run"):
         dry_run(cfg, run_dir, overrides)
         log.info("run directory: %s", run_dir)
@@ -168,7 +171,11 @@ def run(cfg: DictConfig) -> Any:
     if rank > 0 and Path(summary["run_dir"]) != run_dir and RunDirPolicy.created.get(str(run_dir)):
         rundir.remove_unstarted(run_dir)  # torchrun: this rank's Hydra named its own directory; the run is rank 0's
     if summary["status"] == "interrupted":
-        if rank == 0:
+        if rank == 0 and hc.mode == RunMode.MULTIRUN:
+            print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']} of job "
+                  f"{hc.job.num} of the sweep in {hc.sweep.dir}; continue the sweep (finished jobs are kept, this one "
+                  f"continues, the others start) with: {sweep_resume_command(Path(hc.sweep.dir))}", file=sys.stderr)
+        elif rank == 0:
             print(f"hookexp: interrupted by signal {summary['signal']} after step {summary['trainer/steps']}; "
                   f"continue with: {resume_command(Path(summary['run_dir']))}", file=sys.stderr)
         sys.exit(128 + int(summary["signal"]))
@@ -199,10 +206,35 @@ def config_sources(args: list[str]) -> list[str]:
     return out
 
 
+def finished_job(run_dir: Path) -> dict[str, Any] | None:
+    """A resumed sweep's job that finished before and has no checkpoint (one with a checkpoint is resumed, and says
+    "nothing to do" itself): its summary, after saying so; None for any other job."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "finished" or (run_dir / "checkpoints").exists():
+        return None
+    log.info("nothing to do: job %s finished at step %s (kept as it is; it has no checkpoint to continue from)",
+             run_dir, summary.get("trainer/steps"))
+    return summary
+
+
+def sweep_resume_command(sweep_dir: Path) -> str:
+    """The multirun command that was run, into the same sweep directory, with ``resume=true``."""
+    args = [a for a in sys.argv[1:] if rundir.override_key(a) not in ("resume", "hydra.sweep.dir")]
+    return shlex.join([*launch_head(), *args, f"hydra.sweep.dir={os.path.abspath(sweep_dir)}", "resume=true"])
+
+
 def resume_command(run_dir: Path) -> str:
     """The command that continues ``run_dir``, runnable where the user stands: the interpreter that is running (or
     the ``hookexp`` script that was run), under torchrun the torchrun command with its node and process counts."""
-    tail = [*config_sources(sys.argv[1:]), "resume=true", f"hydra.run.dir={run_dir}"]
+    return shlex.join([*launch_head(), *config_sources(sys.argv[1:]), "resume=true", f"hydra.run.dir={run_dir}"])
+
+
+def launch_head() -> list[str]:
+    """How this command was launched, before its arguments: the interpreter (or the ``hookexp`` console script),
+    under torchrun the torchrun command with its node and process counts."""
     if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun
         per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         torchrun = Path(sys.executable).with_name("torchrun")
@@ -213,7 +245,7 @@ def resume_command(run_dir: Path) -> str:
         head = [os.path.abspath(sys.argv[0])]
     else:
         head = [sys.executable, "-m", "hookexp"]
-    return shlex.join([*head, *tail])
+    return head
 
 
 class StoppedDuringStartUp(BaseException):
@@ -301,7 +333,8 @@ class RunDirPolicy(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _exit_on_error(lambda: launchers.check_launcher(config.hydra.get("launcher"), multirun=True))
-        _exit_on_error(lambda: rundir.claim_sweep(Path(str(config.hydra.sweep.dir)), config.get("overwrite")))
+        _exit_on_error(lambda: rundir.claim_sweep(Path(str(config.hydra.sweep.dir)), config.get("overwrite"),
+                                                      config.get("resume")))
 
 
 def _exit_on_error(fn: Any) -> None:

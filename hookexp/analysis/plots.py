@@ -406,8 +406,12 @@ def curves_figure(curves: Mapping[str, Sequence[tuple[str, Sequence[Mapping[int,
             values = np.array([[job[s] for s in steps] for job in jobs], dtype=float)
             centre, low, high = spread(values, log)
             x = np.asarray(steps, dtype=float)
-            ax.plot(x, centre, color=colour[label], linewidth=1.6, label=label)
-            if low is not None:
+            if len(x) == 1:  # a value logged once per job (a short run's val/acc): a point and its spread's bar
+                bar = None if low is None else np.abs(np.stack([centre - low, high - centre]))
+                ax.errorbar(x, centre, yerr=bar, fmt="o", color=colour[label], capsize=3, label=label)
+            else:
+                ax.plot(x, centre, color=colour[label], linewidth=1.6, label=label)
+            if low is not None and len(x) > 1:
                 ax.fill_between(x, low, high, color=colour[label], alpha=0.2, linewidth=0)
             panel.bands.append(Band(label, x, centre, low, high))
         target = (thresholds or {}).get(metric)

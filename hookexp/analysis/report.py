@@ -61,7 +61,9 @@ Examples:
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/loss", "train/acc")
 SPIKES = "spikes"  # a column of the table: the lines of a job's spikes.jsonl (the spikes guard.spike found)
 CURVES = ("train/loss", "val/acc")
-IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "trainer.progress=")
+# what does not change a job's training: the seed, where it ran and logged, and how it was started (a resumed job,
+# resume=true or resume=PATH, and +overwrite=true, belong with their sweep's group)
+IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "trainer.progress=", "resume=", "overwrite=")
 WIDTH_KEYS = ("model.width", "model.d_model")
 
 

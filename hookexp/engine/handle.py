@@ -186,13 +186,13 @@ class HookHandle:
             for b in self.bindings:
                 b.emitted.clear()
         device_values = [s for s, _, _, _ in taken if s is not None] + [m.reshape(1) for _, _, m in emitted]
-        calls = [(float(b.calls), float(b.calls_last_step)) for b in self.bindings]
+        calls = [(int(b.calls), int(b.calls_last_step)) for b in self.bindings]
 
         def decode(values: list[float]) -> dict[str, dict[str, float]]:
             host = iter(values)
             out: dict[str, dict[str, float]] = {}
             for b, (s, same, n, numel), (total, last) in zip(self.bindings, taken, calls, strict=True):
-                row: dict[str, float] = {"calls": total, "calls_last_step": last, "targets": float(len(b.targets))}
+                row: dict[str, float] = {"calls": total, "calls_last_step": last, "targets": len(b.targets)}  # counts
                 if n:
                     change, cos, changed = (next(host), next(host), next(host)) if s is not None else (0.0, 0.0, 0.0)
                     row.update(change_norm=change / n, cosine=(cos + same) / n, frac_changed=changed / max(numel, 1))

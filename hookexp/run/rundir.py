@@ -103,9 +103,10 @@ def claim(run_dir: Path, resume: object, overwrite: object, launch: Launch = CLI
                       f"{launch.overwrite} (deletes its results), or {launch.elsewhere}.", key=launch.key)
 
 
-def claim_sweep(sweep_dir: Path, overwrite: object) -> None:
-    """A multirun into a sweep directory whose jobs already hold results is refused the same way."""
-    if not sweep_dir.is_dir():
+def claim_sweep(sweep_dir: Path, overwrite: object, resume: object = None) -> None:
+    """A multirun into a sweep directory whose jobs already hold results is refused the same way, unless it resumes
+    that sweep (``resume=true``: each job continues from its checkpoint, or starts if it never did)."""
+    if not sweep_dir.is_dir() or truthy(resume):
         return
     jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and results_in(p)]
     if not jobs:

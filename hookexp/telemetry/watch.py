@@ -54,7 +54,8 @@ class WatchOptions:
     ``log`` (a W&B run, a callable ``log(metrics, step)`` or None), ``step`` (the index of the next optimizer
     step), ``before_hook`` (False: the loop calls :meth:`Watch.before_step`), ``gns_batch_size`` (samples per
     micro-batch; None: measured), ``grad_scale`` (a callable giving fp16's loss scale), ``forensics`` (on or off;
-    None: with a spike recorder) and ``forensics_dir`` (None: the W&B run's directory, else none)."""
+    None: with a spike recorder), ``forensics_dir`` (None: the W&B run's directory, else none) and ``key`` (how
+    errors name a ``stats`` setting; None: as watch()'s keyword, ``watch(<setting>=...)``)."""
 
     hooks: Any = None
     log: Any = None
@@ -64,6 +65,7 @@ class WatchOptions:
     grad_scale: Any = None
     forensics: bool | None = None
     forensics_dir: str | Path | None = None
+    key: Callable[[str], str] | None = None
 
 
 class Watch:
@@ -100,7 +102,7 @@ class Watch:
                     self.hooks.run_pre_step_by_hand()
             self.observers = build_observers(model, optimizer, stats, guard, Wiring(
                 hooks=self.hooks, grad_scale=options.grad_scale, gns_batch_size=options.gns_batch_size,
-                forensics=options.forensics, key=watch_key, before_hook=options.before_hook))
+                forensics=options.forensics, key=options.key or watch_key, before_hook=options.before_hook))
             attached.pop_all()
         self.probes, self.recorder = self.observers.named["stats"], self.observers.named["spike"]
         self.forensics = self.observers.named.get("forensics")
@@ -246,10 +248,15 @@ def callback_settings(stats: Mapping[str, Any] | None, guard: Mapping[str, Any] 
     ``gns_batch_size``, the samples per micro-batch when the model's forward does not show them; ``guard.spike``
     and ``guard.forensics``), checked: an unknown key is refused with a did-you-mean."""
     stats = dict(stats or {})
-    _check_settings(stats, CALLBACK_STATS, lambda name: f"stats.{name}")
+    _check_settings(stats, CALLBACK_STATS, callback_key)
     batch_size = stats.pop("gns_batch_size", None)
     guard = dict(guard or {})
     _check_settings(guard, ("spike", "forensics"), lambda name: f"guard.{name}")
     checked, on = guard_of(guard.get("spike"), guard.get("forensics"))
-    return stats_of(stats, lambda name: f"stats.{name}"), checked, WatchOptions(gns_batch_size=batch_size,
-                                                                                  forensics=on)
+    return stats_of(stats, callback_key), checked, WatchOptions(gns_batch_size=batch_size, forensics=on,
+                                                                key=callback_key)
+
+
+def callback_key(setting: str) -> str:
+    """A callback's ``stats`` setting as its errors name it: ``stats.<setting>``, the mapping's key."""
+    return f"stats.{setting}"

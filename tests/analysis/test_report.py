@@ -254,6 +254,23 @@ def test_curves_on_log_axes_draw_no_band_at_or_below_zero(tmp_path):
     plt.close(fig)
 
 
+def test_a_value_logged_once_per_job_is_a_point_with_its_spread():
+    """A short run's val/acc, logged once: each group a point (a one-point line draws nothing), with the spread's
+    bar (mean ± std clipped to the jobs' range) for a group of several jobs, and a legend entry."""
+    import matplotlib.pyplot as plt
+
+    fig, (panel,) = curves_figure({"val/acc": [("hooks=ema", [{20: 0.9}, {20: 0.8}]), ("hooks=ma", [{20: 0.5}])]})
+    (ax,) = fig.axes
+    points = [line for line in ax.lines if line.get_marker() == "o"]
+    assert [(list(p.get_xdata()), list(p.get_ydata())) for p in points] == [([20.0], [pytest.approx(0.85)]),
+                                                                            ([20.0], [0.5])]
+    (bar,) = [c for c in ax.collections if len(c.get_segments())]  # hooks=ma, one job: no bar
+    assert bar.get_segments()[0][:, 1].tolist() == [pytest.approx(0.8), pytest.approx(0.9)]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["hooks=ema", "hooks=ma"]
+    assert [b.label for b in panel.bands] == ["hooks=ema", "hooks=ma"]
+    plt.close(fig)
+
+
 def test_long_group_names_are_shortened_for_the_legend():
     names = ["hooks=grokfast_ema optim.weight_decay=0.005 hooks.grokfast_ema.args.lamb=2.0",
              "hooks=grokfast_ma optim.weight_decay=0.01 hooks.grokfast_ma.args.lamb=5.0",
@@ -373,6 +390,19 @@ def test_the_same_overrides_in_another_order_are_one_group_named_as_given(tmp_pa
     assert [g.name for g in groups] == ["hooks=ema", "hooks=ma"] and len(groups[0].jobs) == 2
     _, groups, _ = report([tmp_path / "b", tmp_path / "b" / "0"], out_dir=tmp_path / "out")  # a job given twice
     assert sum(len(g.jobs) for g in groups) == 2
+
+
+def test_a_resumed_or_overwritten_job_stays_in_its_group(tmp_path):
+    """A job of a sweep resumed after an interruption (``resume=true`` joins its overrides), or re-run over its
+    directory (``+overwrite=true``), is one more job of its group, not a group of its own."""
+    rows = [{"trainer/step": 0, "val/acc": 0.5}, {"trainer/step": 10, "val/acc": 0.97}]
+    write_job(tmp_path / "s" / "0", ["hooks=ema", "seed=0"], rows)
+    write_job(tmp_path / "s" / "1", ["hooks=ema", "seed=1", "resume=true"], rows)
+    write_job(tmp_path / "s" / "2", ["hooks=ema", "seed=2", "+overwrite=true"], rows)
+    write_job(tmp_path / "s" / "3", ["hooks=ma", "seed=0", "resume=/runs/elsewhere"], rows)
+    _, groups, _ = report([tmp_path / "s"], out_dir=tmp_path / "out")
+    assert [(g.name, [j.seed for j in g.jobs]) for g in groups] == [("hooks=ema", ["0", "1", "2"]),
+                                                                    ("hooks=ma", ["0"])]
 
 
 @pytest.mark.parametrize(("metric", "lower"), [("val/perplexity", True), ("val/token_loss", True), ("val/loss", True),

@@ -54,6 +54,9 @@ def test_two_handles_are_independent():
     loss_of(model, x, y).backward()
     assert model.fc2.bias.grad.abs().sum() > 0
     assert b.stats()["b"]["calls"] == 1 and a.stats()["a"]["calls"] == 0
+    row = b.stats()["b"]
+    counts = {k: row[k] for k in ("calls", "calls_last_step", "targets")}
+    assert counts == {"calls": 1, "calls_last_step": 0, "targets": 1} and all(type(v) is int for v in counts.values())
     b.remove()
 
 

@@ -130,20 +130,31 @@ def wandb_rows(run: Path) -> list[dict]:
 
 def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_row(tmp_path: Path,
                                                                                     monkeypatch: pytest.MonkeyPatch):
-    """The checkpoint keeps the W&B run id (the sinks' resume state); the resumed run logs into the same W&B run.
-    A log step's histograms and scalars are one W&B history row, as they are one step of the local files."""
+    """The checkpoint keeps the W&B run id, name and group (the sinks' resume state); the resumed run logs into the
+    same W&B run, under the name and group its first part was given (a multirun job's, set as it started) where
+    its config names none. A log step's histograms and scalars are one W&B history row, as they are one step of
+    the local files."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
 
-    def cfg(steps: int):
+    def cfg(steps: int, *named: str):
         return compose("logger=wandb", f"trainer.max_steps={steps}", "trainer.checkpoint_every=2", "stats.every=1",
-                       "stats.hist_bins=4", "trainer.eval_every=0", "trainer.progress=false")
+                       "stats.hist_bins=4", "trainer.eval_every=0", "trainer.progress=false", *named)
+
+    def identity(run: Path) -> tuple[str | None, str | None]:
+        out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(run)],
+                             capture_output=True, text=True, timeout=120, check=True)
+        (record,) = [r["run"] for r in map(json.loads, filter(str.strip, out.stdout.splitlines()))
+                     if r.get("type") == "run"]
+        return record.get("display_name"), record.get("run_group")
 
     run = tmp_path / "run"
-    run_train(cfg(2), run)
+    run_train(cfg(2, "logger.name=job_seed1_lr0.1", "logger.group=sweep_a"), run)
     (first,) = wandb_runs(run)
     kept = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["sinks"]
-    assert kept == {"hookexp.run.sinks.WandbSink": {"id": run_id(first)}}
+    assert kept == {"hookexp.run.sinks.WandbSink": {"id": run_id(first), "name": "job_seed1_lr0.1",
+                                                    "group": "sweep_a"}}
+    assert identity(first) == ("job_seed1_lr0.1", "sweep_a")
     history = [r for r in wandb_rows(first) if "plots/grad_norms._type" not in r]
     local = read_jsonl(run / "metrics.jsonl")
     assert [r["trainer/step"] for r in history] == [r["trainer/step"] for r in local] == [0, 1, 1]  # the last: val
@@ -153,5 +164,6 @@ def test_a_resumed_run_continues_its_wandb_run_and_histograms_share_their_steps_
     run_train(cfg(4), run, resume=True)
     second = [p for p in wandb_runs(run) if p != first]
     assert [run_id(p) for p in second] == [run_id(first)]  # the same W&B run id
+    assert identity(second[0]) == ("job_seed1_lr0.1", "sweep_a")
     steps = [r["trainer/step"] for r in wandb_rows(second[0]) if "plots/grad_norms._type" not in r]
     assert steps == [2, 3, 3]

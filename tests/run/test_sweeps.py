@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -83,6 +84,40 @@ def test_a_failing_job_does_not_lose_the_others(workdir):
     assert json.loads((workdir / "sweep" / "0" / "summary.json").read_text())["status"] == "finished"
     _, groups, left_out = report([workdir / "sweep"])
     assert len(groups) == 1 and len(left_out) == 1 and "ValueError: boom" in left_out[0].error
+
+
+def test_an_interrupted_sweep_is_finished_by_its_command_with_resume(workdir):
+    """SIGTERM during job 1 of 3 (no checkpoint_every): the sweep stops there and prints its own command with
+    resume=true; that command keeps job 0 as it finished, continues job 1 from the signal's checkpoint and runs
+    job 2, which never started. Job 1 then logs what an uninterrupted job logs, and resume=true splits no
+    group of the report."""
+    stop = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:10000}}"
+    sweep = ["-m", stop, "hooks.stop.transform.step=10000,5,10000", "seed=0", *FAST, "hydra.sweep.dir=sweep"]
+    first = run_cli(sweep, workdir)
+    assert first.returncode == 143, first.stderr[-2000:]
+    (said,) = [line for line in first.stderr.splitlines() if "continue the sweep" in line]
+    command = said.split(" with: ", 1)[1]
+    assert said.startswith("hookexp: interrupted by signal 15 after step 6 of job 1 of the sweep in ")
+    assert command.endswith(f"hydra.sweep.dir={workdir / 'sweep'} resume=true") and " -m " in command
+    assert not (workdir / "sweep" / "2").exists()
+    def results(job: Path) -> dict[Path, bytes]:  # (Hydra rewrites .hydra/ for every job it launches; logs append)
+        return {p: p.read_bytes() for p in job.rglob("*") if p.is_file() and ".hydra" not in p.parts
+                and p.name != "cli.log"}
+
+    job0 = results(workdir / "sweep" / "0")
+
+    again = run_cli(shlex.split(command)[3:], workdir)  # what follows `python -m hookexp`
+    assert again.returncode == 0, again.stderr[-2000:]
+    said = again.stdout + again.stderr  # (a multirun logs to stdout)
+    assert "nothing to do: job" in said and "finished at step 12 (kept as it is" in said
+    assert results(workdir / "sweep" / "0") == job0 and len(job0) >= 4  # metrics, summary, manifest, plot
+    summaries = [json.loads((workdir / "sweep" / str(i) / "summary.json").read_text()) for i in range(3)]
+    assert [(s["status"], s["trainer/steps"]) for s in summaries] == [("finished", 12)] * 3
+    assert without_timing(workdir / "sweep" / "1" / "metrics.jsonl") == without_timing(
+        workdir / "sweep" / "0" / "metrics.jsonl")  # the stop hook changes nothing: seed 0's run, resumed once
+    _, groups, left_out = report([workdir / "sweep"])
+    assert not left_out and sorted((g.name, len(g.jobs)) for g in groups) == [
+        ("hooks.stop.transform.step=10000", 2), ("hooks.stop.transform.step=5", 1)]
 
 
 @pytest.mark.slow  # several full CLI jobs; ./scripts/test.sh -m slow

@@ -136,6 +136,19 @@ def test_bad_watch_settings_are_refused_naming_them():
             HookexpCallback(stats={"activation": "relu*"})
 
 
+def test_a_callbacks_errors_found_on_the_model_name_its_stats_key():
+    """The callbacks check their ``stats`` mapping when made, and its targets at the fit's start, on the model:
+    both errors name the mapping's key (``stats.activations``), not watch()'s keyword."""
+    from hookexp.telemetry.watch import Watch, callback_settings
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats, guard, options = callback_settings({"activations": "relu9", "every": 2}, None)
+    with pytest.raises(ConfigError, match=r"^stats\.activations: target 'relu9' matches no module of Sequential\."):
+        Watch(model, opt, stats, guard, options)
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+
+
 def test_a_watch_that_starts_at_step_k_counts_the_hook_schedules_from_k():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -59,10 +59,17 @@ class WandbSink:
         self._wandb = wandb
         run_dir = run.run_dir
         tags = [*tags, *(row["spec"] for row in run.hooks_table if row["enabled"])]
-        kwargs = dict(project=cfg.project or "hookexp", entity=cfg.entity, group=cfg.group, job_type=cfg.job_type,
-                      name=cfg.name, tags=tags, config=run.config, dir=str(run_dir), reinit="finish_previous")
-        if run.resume and run.resume.get("id"):  # a resumed run continues its W&B run
-            kwargs.update(id=run.resume["id"], resume="allow")
+        kept = run.resume or {}
+        # a resumed run keeps the name and group its first part was given (a multirun job's: its overrides and the
+        # sweep), unless the config names others
+        self.identity = {k: v for k, v in (("name", cfg.name if cfg.name is not None else kept.get("name")),
+                                           ("group", cfg.group if cfg.group is not None else kept.get("group")))
+                         if v is not None}
+        kwargs = dict(project=cfg.project or "hookexp", entity=cfg.entity, group=self.identity.get("group"),
+                      job_type=cfg.job_type, name=self.identity.get("name"), tags=tags, config=run.config,
+                      dir=str(run_dir), reinit="finish_previous")
+        if kept.get("id"):  # a resumed run continues its W&B run
+            kwargs.update(id=kept["id"], resume="allow")
         timeout = float(cfg.init_timeout)
         if resolved == "online":
             base_url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
@@ -99,8 +106,9 @@ class WandbSink:
         return None if self.run is None else str(self.run.id)
 
     def resume_state(self) -> dict[str, Any]:
-        """The W&B run id: a run resumed from this checkpoint continues this W&B run."""
-        return {} if self.run is None else {"id": self.run_id}
+        """The W&B run id, and the name and group it was given: a run resumed from this checkpoint continues this
+        W&B run under them."""
+        return {} if self.run is None else {"id": self.run_id, **self.identity}
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
