@@ -549,3 +549,20 @@ def test_windows_longer_than_the_models_context_are_refused_naming_both_keys(tmp
         f"data.block_size: the data's windows have 32 tokens, more than the model takes ({key}={context}). Give "
         f"data.block_size={context} or less, or the model a longer context ({key}=32).")
     assert train(config(*data, *model, f"data.block_size={context}"), tmp_path / "fits")["status"] == "finished"
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.epoch=3", r"^trainer\.epoch: unknown setting\. Did you mean 'epochs'\?"),
+    ("model.hiden=3", r"^model\.hiden: SmallCNN has no parameter 'hiden'\. Did you mean 'hidden'\?"),
+    ("hooks=clamp_cnv", r"^hooks: no option 'clamp_cnv' \(hooks/clamp_cnv\.yaml is in no config folder\)\. Did you "
+                        r"mean 'clamp_conv'\?"),
+    ("trainer.epochs=abc", r"^trainer\.epochs: 'abc' is not a whole number \(int\)\.")])
+def test_from_python_compose_and_train_answer_a_typo_as_the_command_line_does(tmp_path, override, message):
+    """hookexp.run.compose let Hydra's own exceptions through (ConfigCompositionException advising '+key=...',
+    MissingConfigException): now a misspelt key reaches train()'s checks, and the rest is a ConfigError."""
+    from hookexp.run import compose
+    from hookexp.run import train as run_train
+
+    with pytest.raises(ConfigError, match=message):
+        run_train(compose(override, "logger=none", "trainer.max_steps=1", "trainer.progress=false"), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
