@@ -161,9 +161,11 @@ def _positive(name: str) -> Callable[..., None]:
 
 
 @register_transform("quantize", check=_positive("step"), value_dependent=True, needs_ctx=False)
-def quantize(x: torch.Tensor, ctx: HookContext, step: float) -> torch.Tensor:
-    """Round to the nearest multiple of ``step``."""
-    return torch.round(x / step) * step
+def quantize(x: torch.Tensor, ctx: HookContext, step: float, straight_through: bool = False) -> torch.Tensor:
+    """Round to the nearest multiple of ``step``. Rounding's gradient is zero: on a forward-side kind nothing below
+    learns, unless ``straight_through`` (the gradient passes unchanged, as quantization-aware training does)."""
+    q = torch.round(x / step) * step
+    return x + (q - x).detach() if straight_through else q
 
 
 @register_transform("replace", value_dependent=True, needs_ctx=False)

@@ -18,16 +18,24 @@ from typing import Any
 
 def compose(*overrides: str, config_dir: str | Path | None = None) -> Any:
     """The config ``python -m hookexp OVERRIDES`` would run (``config_dir``: a folder of your own yaml files, as
-    ``--config-dir``)."""
+    ``--config-dir``). As on the command line, a misspelt key is kept for :func:`train`'s checks to name with a
+    did-you-mean, and Hydra's own errors (an unknown option of a group, a value of the wrong type) are a
+    :class:`~hookexp.errors.ConfigError` naming the key."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    from hookexp.run.hydra_api import check_hook_files
+    from hookexp.run.hydra_api import check_hook_files, explain_hydra_error, unknown_keys_as_additions
 
     extra = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"]
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        check_hook_files("config", [*overrides, *extra])  # two files defining one spec: refused, as on the CLI
-        return hydra_compose("config", overrides=[*overrides, *extra])
+    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"), unknown_keys_as_additions():
+        try:
+            check_hook_files("config", [*overrides, *extra])  # two files defining one spec: refused, as on the CLI
+            return hydra_compose("config", overrides=[*overrides, *extra])
+        except Exception as e:
+            ours = explain_hydra_error(e)
+            if ours is None:
+                raise
+            raise ours from None
 
 
 def train(cfg: Any, run_dir: str | Path, *, resume: bool | str | Path | None = None,

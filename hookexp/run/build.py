@@ -208,6 +208,30 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_ste
     return instantiate(node, "scheduler", **given)
 
 
+def model_context(model: torch.nn.Module) -> tuple[str, int] | None:
+    """The longest sequence the model takes and its config key: the package GPT's ``block_size``, a transformers
+    model's ``n_positions`` or ``max_position_embeddings``; None when the model does not say."""
+    if isinstance(getattr(model, "block_size", None), int):
+        return "model.block_size", model.block_size
+    config = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"model.config.{name}", value
+    return None
+
+
+def check_context(model: torch.nn.Module, length: int | None) -> None:
+    """Sequences longer than the model's context fail deep in its forward (a position embedding out of range):
+    refused before training, naming both keys."""
+    found = model_context(model) if isinstance(length, int) else None
+    if found is not None and length > found[1]:
+        key, context = found
+        raise ConfigError(f"the data's windows have {length} tokens, more than the model takes ({key}={context}). "
+                          f"Give data.block_size={context} or less, or the model a longer context ({key}={length}).",
+                          key="data.block_size")
+
+
 def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[str] | None = None) -> Parts:
     """Seed, then build data, model, task, optimizer and schedule on ``device``."""
     typed(TrainerConfig, cfg.trainer, lambda name: f"trainer.{name}")  # its checks, before anything is built
@@ -221,6 +245,7 @@ def build(cfg: DictConfig, ranks: Dist, device: torch.device, overrides: list[st
     model = instantiate(model_cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{model_cfg._target_} built a {type(model).__name__}, not a torch.nn.Module.", key="model")
+    check_context(model, loaders.info.get("block_size"))
     if ranks.sharded:  # FSDP replaces the parameters by their shards: before the optimizer (and the hooks) take them
         model = shard(model, cfg.trainer, ranks, device, DTYPES.get(cfg.trainer.precision))
     else:

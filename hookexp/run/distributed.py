@@ -264,7 +264,11 @@ def _modules(model: torch.nn.Module, pattern: str, key: str) -> list[tuple[str, 
     """The modules ``pattern`` names, with the hook target grammar (@aliases included); errors name ``key``."""
     from hookexp.engine import match
 
-    return match(model, pattern, on="module", key=key)
+    try:
+        return match(model, pattern, on="module", key=key)
+    except ConfigError as e:  # the default ('@blocks') names no module of a model without blocks
+        raise ConfigError(f"{str(e)[len(key) + 2:].rstrip()} Set {key} to a pattern of this model's modules, or "
+                          f"{key}=null to shard the whole model as one unit.", key=key) from None
 
 
 def shard(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torch.device,

@@ -62,6 +62,19 @@ class ReplayOptions:
     quiet: bool = False
 
 
+def last_logged_step(metrics: Path) -> int | None:
+    """The highest ``trainer/step`` of a run's ``metrics.jsonl`` (a torn last line skipped); None when it has none."""
+    steps = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row.get("trainer/step"), int):
+            steps.append(row["trainer/step"])
+    return max(steps, default=None)
+
+
 def replay(run_dir: str | Path, step: int, options: ReplayOptions | None = None) -> dict[str, Any]:
     """Replay the steps of ``run_dir`` from the newest checkpoint at or before ``step`` to ``step + after`` into
     ``run_dir/replay/step_<step>/`` (or ``options.out``); returns the report (module docstring) and prints its
@@ -77,6 +90,10 @@ def replay(run_dir: str | Path, step: int, options: ReplayOptions | None = None)
     if not (run_dir / "metrics.jsonl").is_file():
         raise CheckpointError(f"{run_dir} is not a hookexp run directory (no metrics.jsonl). Give the directory a "
                               "run wrote (hydra.run.dir).", key="RUN_DIR")
+    last = last_logged_step(run_dir / "metrics.jsonl")
+    if last is not None and step > last:
+        raise CheckpointError(f"step {step} is past the run's last step: {run_dir} logged steps up to {last}. Give a "
+                              f"step the run took (0 to {last}).", key="--step")
     usable = [(s, p) for s, p in checkpoints(run_dir) if s <= step]
     if not usable:
         have = ", ".join(f"{p.name} (step {s})" for s, p in checkpoints(run_dir)) or "none"

@@ -392,6 +392,9 @@ def _transformers() -> Any:
     return transformers
 
 
+HF_GPT2_DEFAULTS = ("n_positions", "n_embd", "n_layer", "n_head")  # conf/model/hf.yaml's GPT-2 fields
+
+
 def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
     """A transformers config from a mapping, every field checked: transformers itself keeps unknown fields as
     attributes, so a misspelt ``n_layers`` would silently build the default depth."""
@@ -415,7 +418,11 @@ def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
     allowed |= {"num_labels"}
     for name, value in fields.items():
         if name not in allowed:
-            raise ConfigError(f"{cls.__name__} has no field {name!r}.{did_you_mean(name, allowed)}",
+            default = (f" It is one of model=hf's GPT-2 defaults (conf/model/hf.yaml): for a {model_type} model, "
+                       f"replace the whole mapping, e.g. '~model.config' '+model.config={{model_type:{model_type},"
+                       "vocab_size:auto,hidden_size:64,num_hidden_layers:2,num_attention_heads:4}'."
+                       if name in HF_GPT2_DEFAULTS and model_type != "gpt2" else "")
+            raise ConfigError(f"{cls.__name__} has no field {name!r}.{did_you_mean(name, allowed)}{default}",
                               key=f"model.config.{name}")
         if value == "auto":
             raise ConfigError("is auto, which a hookexp run fills from the data; in Python give a number.",

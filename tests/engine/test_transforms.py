@@ -65,6 +65,25 @@ def test_values():
     assert torch.equal(run("clip_norm", small), small)  # under the bound: unchanged
 
 
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_a_quantized_layer_passes_no_gradient_below_it_unless_straight_through(straight_through):
+    """quantize on a forward kind, against the same written by hand: rounding's gradient is zero, so fc1 learns
+    nothing; straight_through passes the gradient unchanged (q = y + (round(y) - y).detach())."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    hand = copy.deepcopy(model)
+    x = torch.randn(16, 4)
+    spec = {"q": {"target": "0", "kind": "forward", "transform": "quantize",
+                  "args": {"step": 0.25, "straight_through": straight_through}}}
+    with attach(model, spec):
+        model(x).square().sum().backward()
+    y = hand[0](x)
+    q = torch.round(y / 0.25) * 0.25
+    hand[1](y + (q - y).detach() if straight_through else q).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), hand.parameters(), strict=True))
+    assert bool(model[0].weight.grad.any()) is straight_through  # zero below the rounding without it
+
+
 def test_mean_ablate_and_mask():
     x = torch.arange(12.0).reshape(3, 4)
     assert torch.equal(run("mean_ablate", x), x.mean(0, keepdim=True).expand(3, 4))

@@ -449,3 +449,16 @@ def test_a_misspelt_fsdp_key_is_one_paragraph_with_did_you_mean():
         check_config(config("+trainer.fsdp.wrapp=blocks.?"))
     assert str(e.value) == ("trainer.fsdp.wrapp: unknown key. Did you mean 'wrap'? trainer.fsdp has: wrap, "
                             "reshard_after_forward.")
+
+
+def test_the_default_wrap_on_a_model_without_blocks_names_its_fix(tmp_path):
+    """trainer.fsdp.wrap's default (@blocks) on the small CNN, which has no blocks: one paragraph naming the key,
+    why, and the two ways on (a pattern, or null for one unit); no process group left behind."""
+    with pytest.raises(ConfigError) as e:
+        train(config(*FSDP, "trainer.max_steps=1"), tmp_path)
+    assert e.value.key == "trainer.fsdp.wrap" and str(e.value).startswith(
+        "trainer.fsdp.wrap: target '@blocks': '@blocks' has no meaning for SmallCNN")
+    assert str(e.value).endswith("Set trainer.fsdp.wrap to a pattern of this model's modules, or "
+                                 "trainer.fsdp.wrap=null to shard the whole model as one unit.")
+    assert not torch.distributed.is_initialized()
+    train(config(*FSDP, "trainer.fsdp.wrap=null", "trainer.max_steps=1"), tmp_path / "root")  # the fix works

@@ -231,3 +231,9 @@ def test_replay_main_exits_0_when_reproduced_and_2_with_one_paragraph_when_there
                           "run has: snapshot_21.pt (step 21)). A spike writes the snapshot before it")
     assert main([str(runs["rollback"] / "nothing"), "--step", "5"]) == 2
     assert "is not a hookexp run directory (no metrics.jsonl)" in capsys.readouterr().err
+    last = max(r["trainer/step"] for r in read_jsonl(runs["rollback"] / "metrics.jsonl"))
+    assert main([str(runs["rollback"]), "--step", str(last + 440)]) == 2  # past the run: it replayed its end
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"hookexp replay: --step: step {last + 440} is past the run's last step: {runs['rollback']} logged steps up "
+        f"to {last}. Give a step the run took (0 to {last}).")
+    assert not (runs["rollback"] / "replay" / f"step_{last + 440}").exists()

@@ -530,3 +530,39 @@ def test_compiled_run_with_deterministic_algorithms_logs_eager_values_across_the
     for e, c in zip(rows_eager, rows_compiled, strict=True):
         for key in ("train/loss", "grad/global_norm", "grad/conv1.weight/norm", "grad/conv2.weight/norm"):
             assert c[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (e["trainer/step"], key)
+
+
+@pytest.mark.parametrize(("model", "key", "context"), [
+    (["model=gpt", "model.block_size=16", "model.d_model=16", "model.n_layer=1", "model.n_head=2"], "model.block_size",
+     16),
+    (["model=hf", "model.config.n_positions=16", "model.config.n_layer=1"], "model.config.n_positions", 16)])
+def test_windows_longer_than_the_models_context_are_refused_naming_both_keys(tmp_path, model, key, context):
+    """Without the check, the package GPT's forward raised a ValueError and a transformers GPT-2 an IndexError from
+    its position embedding, deep in the first step."""
+    if model[0] == "model=hf":
+        pytest.importorskip("transformers")
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    data = ["task=causal_lm", "data=text_file", f"data.path={tmp_path / 'text.txt'}", "trainer.max_steps=1"]
+    with pytest.raises(ConfigError) as e:
+        train(config(*data, *model, "data.block_size=32"), tmp_path / "long")
+    assert e.value.key == "data.block_size" and str(e.value) == (
+        f"data.block_size: the data's windows have 32 tokens, more than the model takes ({key}={context}). Give "
+        f"data.block_size={context} or less, or the model a longer context ({key}=32).")
+    assert train(config(*data, *model, f"data.block_size={context}"), tmp_path / "fits")["status"] == "finished"
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.epoch=3", r"^trainer\.epoch: unknown setting\. Did you mean 'epochs'\?"),
+    ("model.hiden=3", r"^model\.hiden: SmallCNN has no parameter 'hiden'\. Did you mean 'hidden'\?"),
+    ("hooks=clamp_cnv", r"^hooks: no option 'clamp_cnv' \(hooks/clamp_cnv\.yaml is in no config folder\)\. Did you "
+                        r"mean 'clamp_conv'\?"),
+    ("trainer.epochs=abc", r"^trainer\.epochs: 'abc' is not a whole number \(int\)\.")])
+def test_from_python_compose_and_train_answer_a_typo_as_the_command_line_does(tmp_path, override, message):
+    """hookexp.run.compose let Hydra's own exceptions through (ConfigCompositionException advising '+key=...',
+    MissingConfigException): now a misspelt key reaches train()'s checks, and the rest is a ConfigError."""
+    from hookexp.run import compose
+    from hookexp.run import train as run_train
+
+    with pytest.raises(ConfigError, match=message):
+        run_train(compose(override, "logger=none", "trainer.max_steps=1", "trainer.progress=false"), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -252,6 +252,10 @@ def test_hf_loads_a_local_folder(tmp_path):
     ({"config": {"model_type": "vit", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "intermediate_size": 16}}, r"^model\.kind: vit has no causal_lm model"),
     ({"config": [1, 2]}, r"^model\.config: must be a mapping"),
+    ({"config": {**TINY, "model_type": "llama"}},  # model.config.model_type=llama over hf.yaml's GPT-2 fields
+     r"^model\.config\.n_layer: LlamaConfig has no field 'n_layer'\. Did you mean 'num_labels' or "
+     r"'num_hidden_layers'\? It is one of model=hf's GPT-2 defaults \(conf/model/hf\.yaml\): for a llama model, "
+     r"replace the whole mapping, e\.g\. '~model\.config' '\+model\.config=\{model_type:llama,vocab_size:auto,"),
 ])
 def test_hf_errors_name_the_key(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
