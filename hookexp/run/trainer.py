@@ -193,8 +193,8 @@ class Trainer:
             if taken and (epoch_eval or (eval_every and loop.step % eval_every == 0) or loop.step == total):
                 self.evaluate()
             stopping = self.stop_requested(log_now)
-            if self.maybe_checkpoint(result, stopping) and self.late and not stopping:
-                stopping = self.stop_requested(log_now)  # a vote landed with the checkpoint: it is the stop's
+            self.maybe_checkpoint(result, stopping)
+            stopping = stopping or self.stop_agreed  # (ranks, records landing late) a vote the checkpoint landed
             if stopping:
                 log.warning("stopped by signal %s after step %d; checkpoint %s", self.ckpt.stops.signum, loop.step,
                             self.ckpt.path)
@@ -366,9 +366,9 @@ class Trainer:
             return self.stop_agreed
         return bool(log_now and ranks.any(self.ckpt.stops.requested, self.parts.device))
 
-    def maybe_checkpoint(self, result: StepResult, stopping: bool) -> bool:
+    def maybe_checkpoint(self, result: StepResult, stopping: bool) -> None:
         """A checkpoint when one is due (every ``trainer.checkpoint_every`` steps, the last step, the step
-        ``stop_when`` held, a spike, ``stopping``: a signal); returns whether one was written."""
+        ``stop_when`` held, a spike, ``stopping``: a signal)."""
         loop, every = self.loop, self.cfg.trainer.checkpoint_every
         due = every and result.taken and (loop.step % every == 0 or loop.step == self.parts.total_steps
                                           or self.reached is not None)
@@ -376,9 +376,8 @@ class Trainer:
             self.settle()  # the files the checkpoint's position covers are whole; no bad step unreported
             if self.ckpt.finite(self.parts.model):  # never a non-finite state: it would replace the last good one
                 self.ckpt.save(loop)
-                return True
-            self.guard.refuse_checkpoint(loop.step, self.ckpt.saved_step)
-        return False
+            else:
+                self.guard.refuse_checkpoint(loop.step, self.ckpt.saved_step)
 
     @contextlib.contextmanager
     def explaining(self) -> Any:
