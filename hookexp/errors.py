@@ -36,6 +36,7 @@ class HookexpError(Exception):
         self.spec = spec
         self.field = field
         self.key = config_key(spec, field) if spec is not None else None
+        self.message = message  # without the key: for an error that re-words or re-keys this one
         super().__init__(f"{self.key}: {message}" if self.key else message)
 
 
@@ -99,6 +100,7 @@ class ConfigError(HookexpError):
     def __init__(self, message: str, *, key: str | None = None):
         super().__init__(f"{key}: {message}" if key else message)
         self.key = key
+        self.message = message
 
 
 # ----------------------------------------------------------------------------------------------------

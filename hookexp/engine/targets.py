@@ -154,8 +154,7 @@ def match(model: nn.Module, pattern: str, on: TargetKind = "module", key: str = 
     try:
         return [(t.name, t.obj) for t in resolve(model, spec, on, config_key=key).targets]
     except SpecError as e:  # a pattern that does not compile: the setting's key, not a hook spec's
-        message = str(e).split(": ", 1)[1] if str(e).startswith("hooks.") else str(e)
-        raise ConfigError(message, key=key) from None
+        raise ConfigError(e.message, key=key) from None
 
 
 def _nothing_matched(model: nn.Module, spec: HookSpec, what: TargetKind, match: Callable[[str], bool],

@@ -267,7 +267,7 @@ def _modules(model: torch.nn.Module, pattern: str, key: str) -> list[tuple[str, 
     try:
         return match(model, pattern, on="module", key=key)
     except ConfigError as e:  # the default ('@blocks') names no module of a model without blocks
-        raise ConfigError(f"{str(e)[len(key) + 2:].rstrip()} Set {key} to a pattern of this model's modules, or "
+        raise ConfigError(f"{e.message.rstrip()} Set {key} to a pattern of this model's modules, or "
                           f"{key}=null to shard the whole model as one unit.", key=key) from None
 
 

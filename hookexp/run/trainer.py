@@ -140,7 +140,6 @@ class Trainer:
         self.period: list[dict[str, Any]] = []  # the steps since the last log step and their batches (spikes.jsonl)
         self.flight: tuple[int, Any, dict[str, Any], list[dict[str, Any]]] | None = None  # a log record on its way
         self.late = lands_late(parts, self.recorder, self.rollback)
-        self.guard.wait_on_log = not self.late  # its flags are read as they arrive, at each step's end
         self.last_log_time = time.perf_counter()
         self.reached: int | None = None  # the step at which a logged value met trainer.stop_when
         self.stop_agreed = False  # several ranks, records landing late: a rank asked to stop (stop_requested)

@@ -57,7 +57,7 @@ class NonFinite:
 
 class NonFiniteGuard(Observer):
     """The guard (module docstring), an :class:`~hookexp.telemetry.observer.Observer`: ``allow_update`` decides,
-    ``pending`` reads a deferred first bad step on the log step."""
+    ``end`` reads the deferred flags that have arrived and ``settle`` every one on its way."""
 
     def __init__(self, policy: str, model: nn.Module, device: torch.device | None = None, check_grads: bool = True):
         if policy not in POLICIES:
@@ -77,7 +77,7 @@ class NonFiniteGuard(Observer):
         self.warned = 0
         self.deferred = Deferred()  # raise / warn on a GPU: each step's flag (-1, or the step), read a step later
         self._told = False  # a deferred bad step was reported since the last log step (warn once a period)
-        self.wait_on_log = True  # pending() waits for the flags on their way (False: a log step that does not sync)
+        self._logging = False  # the current step logs (its end closes the period)
         self.event: NonFinite | None = None  # the last non-finite step reported
         self.forensics: Any = None  # a Forensics observer, asked where the first non-finite output came from
         self.producer: dict[str, Any] | None = None  # its answer for the first non-finite step
@@ -127,18 +127,19 @@ class NonFiniteGuard(Observer):
                 self._told = True
                 self._report(self.describe(None, int(bad), deferred=True))
 
+    def start(self, step: int, log: bool) -> None:
+        self._logging = log
+
     def end(self, step: int) -> None:
+        """The flags that have arrived (after a log step read at once, every one on its way: that read waited for
+        the work queued before it); a log step closes the period a deferred bad step is reported once in."""
         self._poll()
+        if self._logging:
+            self._told = False
 
     def settle(self) -> None:
         """Every flag still on its way, read now (a bad step is raised or warned of as at a step's end)."""
         self._poll(wait=True)
-
-    def pending(self) -> tuple[torch.Tensor | None, Callable[[list[float]], dict[str, Any]]]:
-        """A log step (it syncs anyway, unless ``wait_on_log`` is False): every flag still on its way is read now."""
-        self._poll(wait=self.wait_on_log)
-        self._told = False
-        return None, lambda values: {}
 
     def refuse_checkpoint(self, step: int, saved_step: int | None) -> None:
         """The model went non-finite before a checkpoint was due: raise (``raise``) or warn, naming the first bad

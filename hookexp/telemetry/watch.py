@@ -190,7 +190,7 @@ def _rekeyed(error: ConfigError, key: Callable[[str], str]) -> ConfigError:
     """A check's error on ``stats.<setting>`` (its dataclass names the trainer's key), naming ``key(setting)``."""
     if not error.key or not error.key.startswith("stats."):
         return error
-    return ConfigError(str(error)[len(error.key) + 2:], key=key(error.key.removeprefix("stats.")))
+    return ConfigError(error.message, key=key(error.key.removeprefix("stats.")))
 
 
 def stats_of(settings: Mapping[str, Any], key: Callable[[str], str], hist_bins: int = WATCH_HIST_BINS) -> StatsConfig:

@@ -166,6 +166,24 @@ def test_on_a_gpu_raise_costs_no_sync_and_names_the_bad_step_as_its_flag_arrives
     assert not (tmp_path / "checkpoints" / "last.pt").exists()
 
 
+def test_on_a_gpu_warn_reports_a_deferred_bad_step_once_a_log_period(tmp_path, monkeypatch, caplog):
+    """The deferred path (forced on the CPU): after the NaN at step 3 every step is non-finite (warn goes on), and
+    each period between log steps (0, 10, 20, 24) is warned of once, at its first bad step's end."""
+    from hookexp.telemetry.guard import NonFiniteGuard
+
+    init = NonFiniteGuard.__init__
+    monkeypatch.setattr(NonFiniteGuard, "__init__", lambda self, *a, **k: (init(self, *a, **k),
+                                                                           setattr(self, "sync", False))[0])
+    with caplog.at_level("WARNING", logger="hookexp"):
+        summary = train(config(*NAN_AT_3, "guard.nan_policy=warn", "stats.every=10", "trainer.max_steps=25"),
+                        tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "Going on (guard.nan_policy=warn)" in r.getMessage()]
+    assert [m.split(":")[0] for m in warned] == ["non-finite loss or gradient at step 3",
+                                                 "non-finite loss or gradient at step 11",
+                                                 "non-finite loss or gradient at step 21"]
+    assert summary["guard/nonfinite_warnings"] == 3
+
+
 def test_unknown_nan_policy_and_precision_are_refused_and_detach_the_hooks(tmp_path, monkeypatch):
     removed: list[int] = []
     original = HookHandle.remove
