@@ -137,8 +137,10 @@ class Parts:
     goal: Reach | None = None  # trainer.stop_when
 
 
-def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
-    task = instantiate(drop_inherited(cfg.task, "task", overrides), "task")
+def build_task(cfg: DictConfig, overrides: list[str] | None = None, *, quiet: bool = False) -> Task:
+    """``cfg.task`` built and checked to be a :class:`Task`; ``quiet``: log nothing (a check before the build,
+    which logs the keys a user's task does not take)."""
+    task = instantiate(drop_inherited(cfg.task, "task", overrides, quiet=quiet), "task")
     if not isinstance(task, Task):
         raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.workloads.tasks.Task. "
                           "Subclass hookexp.workloads.tasks.Task (override loss, and sums/metric_names for more "
