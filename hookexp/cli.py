@@ -154,7 +154,7 @@ def run(cfg: DictConfig) -> Any:
     from hookexp.run.loop import dry_run, run_job
 
     # the sweep objective: a name the task does not log is refused before anything trains
-    metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides)))
+    metric = objective(cfg.get("optimized_metric"), logged_metrics(build_task(cfg, overrides, quiet=True)))
 
     check_targets(cfg, overrides)  # the model's and optimizer's keys, before the data is loaded
     kept = finished_job(run_dir) if hc.mode == RunMode.MULTIRUN and rundir.truthy(cfg.get("resume")) else None

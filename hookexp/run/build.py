@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import random
 from collections.abc import Callable
@@ -97,25 +98,47 @@ def set_threads(num_threads: int | None) -> None:
 
 def derived_from_examples(loaders: Loaders, task: Task) -> dict[str, Callable[[], tuple[Any, str]]]:
     """What a model's ``auto`` sizes are when the data does not say them: read from a user's own map-style sets
-    (``input_dim`` from one example's input; for classification, ``num_classes`` / ``output_dim`` from the labels)."""
-    from hookexp.workloads.data import classes_in, input_size
+    (``input_dim`` from one example's input, ``in_channels`` and ``image_size`` from a ``(C, H, W)`` one; for
+    classification, ``num_classes`` / ``output_dim`` / ``num_labels`` from the data's ``num_classes`` or the
+    labels)."""
+    from hookexp.workloads.data import classes_in, input_shape
 
     @functools.cache
     def classes() -> tuple[int | None, str]:
+        if "num_classes" in loaders.info:
+            return loaders.info["num_classes"], "the data's num_classes"
         found = classes_in(loaders.train, loaders.val)
         return (found, "the largest label of the training and validation sets + 1") if found is not None else (
             None, "Its labels cannot be read: the data set is iterable (it streams) or its examples carry no "
                   "integer class labels.")
 
-    def inputs() -> tuple[int | None, str]:
-        found = input_size(loaders.train)
-        return (found, "the number of elements of one training example's input") if found is not None else (
-            None, "One example's input cannot be read: the data set is iterable, or its examples are not "
-                  "(input, label) pairs of tensors.")
+    @functools.cache
+    def shape() -> tuple[tuple[int, ...] | None, str]:
+        found = input_shape(loaders.train)
+        return found, "" if found is not None else (
+            "One example's input cannot be read: the data set is iterable, or its examples are not (input, label) "
+            "pairs of tensors.")
 
-    derive: dict[str, Callable[[], tuple[Any, str]]] = {"input_dim": inputs}
+    def inputs() -> tuple[int | None, str]:
+        found, why = shape()
+        return (math.prod(found), "the number of elements of one training example's input") if found is not None \
+            else (None, why)
+
+    def image(part: str) -> tuple[int | None, str]:
+        found, why = shape()
+        if found is None:
+            return None, why
+        if len(found) != 3 or (part == "size" and found[1] != found[2]):
+            return None, (f"One training example's input has shape {list(found)}, not a square image "
+                          f"[channels, size, size].")
+        return (found[0], "the first dimension of one training example's [C, H, W] input") if part == "channels" \
+            else (found[1], "the height (= width) of one training example's [C, H, W] input")
+
+    derive: dict[str, Callable[[], tuple[Any, str]]] = {
+        "input_dim": inputs, "in_channels": functools.partial(image, "channels"),
+        "image_size": functools.partial(image, "size")}
     if isinstance(task, Classification):
-        derive.update(num_classes=classes, output_dim=classes)
+        derive.update(num_classes=classes, output_dim=classes, num_labels=classes)
     return derive
 
 
@@ -137,8 +160,10 @@ class Parts:
     goal: Reach | None = None  # trainer.stop_when
 
 
-def build_task(cfg: DictConfig, overrides: list[str] | None = None) -> Task:
-    task = instantiate(drop_inherited(cfg.task, "task", overrides), "task")
+def build_task(cfg: DictConfig, overrides: list[str] | None = None, *, quiet: bool = False) -> Task:
+    """``cfg.task`` built and checked to be a :class:`Task`; ``quiet``: log nothing (a check before the build,
+    which logs the keys a user's task does not take)."""
+    task = instantiate(drop_inherited(cfg.task, "task", overrides, quiet=quiet), "task")
     if not isinstance(task, Task):
         raise ConfigError(f"{cfg.task._target_} built a {type(task).__name__}, not a hookexp.workloads.tasks.Task. "
                           "Subclass hookexp.workloads.tasks.Task (override loss, and sums/metric_names for more "

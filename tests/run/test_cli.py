@@ -423,6 +423,22 @@ def test_a_batch_the_model_cannot_take_names_the_data_and_the_fix(workdir):
     assert "Traceback" not in done.stderr
 
 
+def test_a_users_task_hears_once_which_default_keys_it_does_not_take(workdir):
+    """task._target_=mytask.Mse over the classification task: label_smoothing is dropped and said so once (the
+    sweep objective's check builds the task quietly before the run builds it)."""
+    (workdir / "mytask.py").write_text(
+        "import torch.nn.functional as F\n"
+        "from hookexp.workloads.tasks import Task\n\n"
+        "class Mse(Task):\n"
+        "    def loss(self, out, batch):\n"
+        "        return F.mse_loss(out, F.one_hot(batch[-1], out.shape[-1]).float())\n")
+    done = run_cli(["task._target_=mytask.Mse", "trainer.max_steps=1", "hydra.run.dir=run", "logger=none"], workdir,
+                   env={"PYTHONPATH": str(workdir)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = "task: mytask.Mse does not take label_smoothing (from the default task config): not passed"
+    assert (workdir / "run" / "cli.log").read_text().count(line) == 1
+
+
 def test_a_type_error_inside_the_model_is_not_blamed_on_the_batch(workdir, monkeypatch):
     """Only the model's own forward refusing the batch is explained (a HookexpError: the command line's paragraph);
     a bug inside the model stays the model's own TypeError (the command line keeps its traceback). In process."""

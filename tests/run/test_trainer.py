@@ -474,6 +474,56 @@ def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path:
     assert (built["input_dim"], built["output_dim"]) == (4, 5)
 
 
+def image_pair(size: int = 6, width: int | None = None):
+    """A user's image TensorDataset pair: 3 x size x width inputs, labels 0..4."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (3, size, width or size)
+    return (TensorDataset(torch.randn(40, *shape, generator=gen), torch.arange(40) % 5),
+            TensorDataset(torch.randn(10, *shape, generator=gen), torch.arange(10) % 5))
+
+
+class LabelHead(torch.nn.Module):
+    """A model taking a HF-style ``num_labels``."""
+
+    def __init__(self, num_labels: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_the_shipped_cnn_takes_channels_and_image_size_from_a_users_image_pair(tmp_path: Path, caplog):
+    """model=small_cnn (in_channels, image_size, num_classes: auto) on [3, 6, 6] images: the sizes come from one
+    example, said in the log; a non-square image cannot say its image_size, and the error says what it saw."""
+    overrides = ["data.dataset._target_=test_trainer.image_pair", "~data.dataset.val_fraction",
+                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
+    with caplog.at_level("INFO", logger="hookexp.build"):
+        summary = train(config(*overrides), tmp_path / "cnn", overrides)
+    assert summary["status"] == "finished"
+    assert "model.in_channels=auto: 3, the first dimension of one training example's [C, H, W] input" in caplog.text
+    assert "model.image_size=auto: 6, the height (= width) of one training example's [C, H, W] input" in caplog.text
+    built = json.loads((tmp_path / "cnn" / "manifest.json").read_text())["config"]["model"]
+    assert (built["in_channels"], built["image_size"], built["num_classes"]) == (3, 6, 5)
+    oblong = [*overrides, "+data.dataset.width=8"]
+    with pytest.raises(ConfigError) as refused:
+        train(config(*oblong), tmp_path / "oblong", oblong)
+    assert str(refused.value) == (
+        "model.image_size: is 'auto', but the data does not say it (the data gives: nothing). One training "
+        "example's input has shape [3, 6, 8], not a square image [channels, size, size]. Set it: "
+        "model.image_size=<value>.")
+
+
+def test_num_labels_auto_is_the_number_of_classes(tmp_path: Path, caplog):
+    """A HF-style model's num_labels: auto takes what num_classes would (the labels' largest + 1)."""
+    overrides = ["model._target_=test_trainer.LabelHead", "+model.num_labels=auto",
+                 "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
+                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
+    with caplog.at_level("INFO", logger="hookexp.build"):
+        assert train(config(*overrides), tmp_path / "labels", overrides)["status"] == "finished"
+    assert "model.num_labels=auto: 5, the largest label of the training and validation sets + 1" in caplog.text
+
+
 @pytest.mark.grad_norm_plot  # the refusal lists the run's files, plots/ among them
 def test_the_python_api_takes_resume_and_overwrite_and_its_errors_name_them(tmp_path: Path):
     """A script calling hookexp.run.train twice into one directory: train() takes resume= and overwrite=, and

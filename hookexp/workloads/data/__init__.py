@@ -22,6 +22,7 @@ from hookexp.workloads.data.splits import (
     as_splits,
     check_fraction,
     classes_in,
+    input_shape,
     input_size,
     labels_of,
     whole_batch,
@@ -30,6 +31,6 @@ from hookexp.workloads.data.text import CharTokenizer, TokenWindows, text_file
 from hookexp.workloads.data.vision import VISION, torchvision
 
 __all__ = ["ACCEPTED", "OPS", "VISION", "CharTokenizer", "PadCollate", "Splits", "TensorSet", "TokenWindows",
-           "as_splits", "check_fraction", "classes_in", "digits", "hf_disk", "input_size", "labels_of",
+           "as_splits", "check_fraction", "classes_in", "digits", "hf_disk", "input_shape", "input_size", "labels_of",
            "modular_addition", "pad_collate", "synthetic", "synthetic_regression", "text_file", "torchvision",
            "whole_batch"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -179,14 +180,21 @@ def classes_in(*sets: Any) -> int | None:
     return found + 1 if found >= 0 else None
 
 
-def input_size(ds: Any) -> int | None:
-    """The number of elements of one example's input in a map-style set of ``(input, label)`` pairs (what a flat
-    model's ``input_dim`` is); None when it cannot be known (an iterable set, other examples)."""
+def input_shape(ds: Any) -> tuple[int, ...] | None:
+    """The shape of one example's input in a map-style set of ``(input, label)`` pairs (an image's ``(C, H, W)``);
+    None when it cannot be known (an iterable set, other examples)."""
     if ds is None or _is_iterable_only(ds) or len(ds) == 0:
         return None
     example = (ds.x[0], ds.y[0]) if isinstance(ds, TensorSet) else ds[0]
     x = example[0] if isinstance(example, (tuple, list)) and len(example) == 2 else None
-    return int(x.numel()) if isinstance(x, torch.Tensor) else None
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
+
+
+def input_size(ds: Any) -> int | None:
+    """The number of elements of one example's input (what a flat model's ``input_dim`` is); None as
+    :func:`input_shape`."""
+    shape = input_shape(ds)
+    return math.prod(shape) if shape is not None else None
 
 
 def check_fraction(value: Any, key: str) -> float:
