@@ -248,6 +248,8 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
     element is one of the row's. Rows with NaN or Inf give non-finite moments; the decoder reads those from
     min and max. ``narrow`` is changed (its pads)."""
     w, p = layout.width, layout.row_pad
+    if not len(narrow):  # every tensor empty (this rank's shards, say): var_mean of no rows would warn
+        return narrow.new_zeros(0, COLUMNS, dtype=layout.wide)
     if len(layout.pad_at):
         flat = narrow.view(-1)
         flat.index_put_((layout.pad_at,), flat.index_select(0, layout.pad_src))

@@ -219,6 +219,16 @@ def test_histograms_of_large_tensors_count_a_fixed_subset_scaled_to_the_size(pat
     assert (sampled["big/hist"][1] == exact["big/hist"][1]).all()
 
 
+def test_only_empty_tensors_describe_to_nothing_without_a_warning(path):
+    """Every described tensor empty (e.g. a rank's shards of small tensors): no statistic, and no warning from
+    a reduction over no rows."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert describe({"act/empty": torch.zeros(0, 3), "act/none": torch.zeros(0)}) == {}
+
+
 def test_the_decoder_gives_the_asked_statistics_and_skips_empty_tensors(path):
     tensors = {"act/relu": torch.randn(8, 4).clamp(min=0), "act/empty": torch.zeros(0, 3), "act/one": torch.ones(1)}
     got = describe(tensors, stats=("frac_zero", "mean"), hist_bins=3)
