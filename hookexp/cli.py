@@ -385,12 +385,31 @@ def subcommand(name: str, argv: list[str]) -> int:
     return int(module.main(argv) or 0)
 
 
+def versions() -> str:
+    """``hookexp 0.1.0 (torch ..., hydra-core ..., ...; Python ...)``: the installed versions a bug report needs,
+    read from the packages' metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    found = [f"{name} {v}" for name in ("torch", "hydra-core", "omegaconf", "wandb", "transformers", "lightning")
+             if (v := of(name)) is not None]
+    return f"hookexp {of('hookexp') or 'unknown'} ({', '.join(found)}; Python {sys.version.split()[0]})"
+
+
 def main() -> None:
     # The console script `hookexp` finds the user's own modules in the current directory, as `python -m` does.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
         sys.exit(subcommand(sys.argv[1], sys.argv[2:]))
+    if sys.argv[1:] in (["--version"], ["-V"]):  # hookexp's version, not Hydra's (its flag), and without torch
+        print(versions())
+        sys.exit(0)
     args = sys.argv[1:]
     others = [a for a in args if a.startswith("-") or "=" not in a]  # Hydra's flags and their values
     overrides = [a for a in args if not a.startswith("-") and "=" in a]

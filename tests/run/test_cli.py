@@ -245,8 +245,27 @@ def test_help_answers_without_importing_torch(workdir):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "== Config groups" in done.stdout
     assert "== Subcommands" in done.stdout and "report DIR [DIR ...]" in done.stdout and "replay RUN_DIR" in done.stdout
+    assert "Versions (for a bug report): --version." in done.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
     assert "hookexp.cli" in imported and "torch" not in imported
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_hookexps_and_names_what_a_bug_report_needs(flag, workdir):
+    """Hydra's own --version answered "Hydra 1.3.8"; hookexp's names itself, torch and Hydra, without torch."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hookexp", flag], cwd=workdir,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip()
+    assert line.startswith(f"hookexp {version('hookexp')} (torch {version('torch')}, hydra-core "
+                           f"{version('hydra-core')}, "), line
+    assert line.endswith(f"; Python {sys.version.split()[0]})"), line
+    imported = {row.rsplit("|", 1)[-1].strip() for row in done.stderr.splitlines() if "|" in row}
+    assert "torch" not in imported
 
 
 def test_failure_inside_a_hook_keeps_metrics_and_marks_the_wandb_run_failed(workdir):
