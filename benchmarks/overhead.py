@@ -47,6 +47,7 @@ The default set is issue 19's (a, b, c, d0, d, d_all, a_wb, w, e); ``--cases all
          and a 64-bin histogram of every parameter, logged into the same run every step
   e      a_wb with wandb.watch(model, log="gradients", log_freq=1) (64-bin histograms of every gradient)
   c_g    c without the activation statistics            c_x  c with exact histograms (hist_sample=null)
+  c_eager  c with the statistics' eager kernels (stats.compile=false; CUDA compiles them by default)
   c_wb   c with the W&B offline run as well              f    e with log_freq=10
   g      clamp every parameter's gradient: hookexp `grad` kind (g_grad), `pre_step` kind (g_pre), and a
          hand-written per-parameter register_hook loop (g_hand), all in the hand loop
@@ -307,6 +308,8 @@ def cases(bench: Bench, model: list[str], steps: int) -> dict[str, Callable[[], 
         "b": lambda n: trainer_loop(model, n, STATS_OFF),
         "c": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1"]),
         "c_g": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.activations=null"]),
+        # c with the statistics' eager kernels (stats.compile=false; on CUDA they are compiled by default)
+        "c_eager": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.compile=false"]),
         "c_x": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=1", "stats.hist_sample=null"]),
         "d": lambda n: trainer_loop(model, n, [*every_stat, "stats.every=10"]),
         "d0": lambda n: trainer_loop(model, n, ["stats.every=10"]),  # the shipped stats config
@@ -357,7 +360,8 @@ def watch_vs_wandb_medians(times: dict[str, list[float]]) -> float:
     return overhead("w") / overhead("e")
 
 
-COLUMNS = [ratio("b", "a"), ratio("c", "b"), ratio("c_g", "b"), ratio("c_x", "b"), ratio("d0", "b"), ratio("d", "b"),
+COLUMNS = [ratio("b", "a"), ratio("c", "b"), ratio("c_eager", "b"), ratio("c_g", "b"), ratio("c_x", "b"),
+           ratio("d0", "b"), ratio("d", "b"),
            ratio("d_all", "b"), ratio("c_wb", "b"), ratio("w", "a_wb"), ratio("e", "a_wb"),
            Column("w/e ovh", ("w", "e", "a_wb"), watch_vs_wandb, watch_vs_wandb_medians), ratio("f", "a_wb"),
            ratio("e", "c"), ratio("g_grad", "a"), ratio("g_pre", "a"), ratio("g_hand", "a"),

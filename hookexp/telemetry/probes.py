@@ -81,7 +81,7 @@ class Probes(Observer):
             raise ConfigError("gradient, update and optimizer statistics are taken around optimizer.step(): pass "
                               "the optimizer.", key="Probes(optimizer=...)")
         self._group = grouper(stats.group_by, key("group_by"))
-        self.describer = TensorStats(STATS, stats.hist_bins, stats.hist_sample)
+        self.describer = TensorStats(STATS, stats.hist_bins, stats.hist_sample, compile=stats.compile)
         if activations_sharded is None:
             activations_sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._acts_sharded = activations_sharded

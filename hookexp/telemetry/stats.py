@@ -1,4 +1,5 @@
-"""Describe tensors: the one statistics path, in plain torch ops (single passes on CUDA, two elsewhere).
+"""Describe tensors: the one statistics path, in plain torch ops (single passes on CUDA, compiled by default there;
+two elsewhere).
 
 ``TensorStats(stats, hist_bins, hist_sample).describe({"grad/fc1.weight": g1, ...})`` returns a
 :data:`~hookexp.telemetry.readback.Pending` pair (a flat device tensor and the decoder of its host copy, no host
@@ -10,6 +11,7 @@ path: docs/internals.md, "Describing tensors".
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
@@ -27,7 +29,9 @@ STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg", "abs_mean
 # _decode, and its name here — this file and its test
 ACTIVATION_STATS = ("mean", "std", "abs_mean", "kurtosis", "frac_zero")
 GRADIENT_STATS = ("norm", "mean", "std", "min", "max", "frac_zero", "frac_neg")
+log = logging.getLogger("hookexp.stats")
 FUSED = frozenset({"cuda"})  # devices whose rows are described in single passes (_row_partials)
+COMPILED = frozenset({"cuda"})  # devices whose rows are compiled when stats.compile is null (auto)
 COLUMNS = 10  # per row, tensor or rank: elements, sum, squared deviations, zeros, negatives, min, max, sum of |x|,
 #              cubed and 4th-power deviations
 
@@ -38,10 +42,11 @@ def _nothing(host: np.ndarray) -> dict[str, Any]:
 
 class TensorStats:
     """Describes named tensors on log steps; ``group`` is the process group sharded tensors are spread
-    over (None: the default group, when ``torch.distributed`` is initialized)."""
+    over (None: the default group, when ``torch.distributed`` is initialized); ``compile``: rows described by
+    torch.compile's fused kernels (True), eagerly (False), or compiled on the devices in :data:`COMPILED` (None)."""
 
     def __init__(self, stats: Collection[str] = STATS, hist_bins: int = 0, hist_sample: int | None = None,
-                 group: Any = None):
+                 group: Any = None, compile: bool | None = None):
         unknown = [s for s in stats if s not in STATS]
         if unknown:
             raise ValueError(f"unknown statistic {unknown[0]!r}; the statistics are {', '.join(STATS)}."
@@ -53,6 +58,7 @@ class TensorStats:
                               key="stats.hist_sample")
         self.stats = [s for s in STATS if s in stats]
         self.hist_bins, self.hist_sample, self.group = hist_bins, hist_sample, group
+        self.compile = compile  # rows in torch.compile's fused kernels: True, False, None (on CUDA)
         self._layouts: OrderedDict[Any, _Layout] = OrderedDict()
 
     @torch.no_grad()
@@ -167,7 +173,10 @@ class _Layout:
         self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
         self.count = self.sizes.clamp_min(1)  # what the sums are divided by
         self.rank_seg = tensor.repeat(ranks).to(device)
-        self.fused = device.type in FUSED and self.wide == torch.float64  # Welford's partials want float64
+        compiled = describer.compile if describer.compile is not None else device.type in COMPILED
+        # Welford's partials want float64; compiled, every device's rows take the single-pass math
+        self.fused = (device.type in FUSED or compiled) and self.wide == torch.float64
+        self.compiled = self.fused and compiled
         if self.fused:  # each padded row's pads take its first element's value, then leave its partials
             firsts = ends - w  # where each tensor's last row starts
             self.pad_src = torch.cat([torch.full((p,), int(f)) for f, p in zip(firsts, pads, strict=True)]).to(device)
@@ -241,38 +250,93 @@ def _partials(x: torch.Tensor, signs: tuple[torch.Tensor, torch.Tensor], layout:
 
 def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """``[rows, COLUMNS]`` partials of each row of the joined tensors, for :func:`_combine` (on CUDA: fewer bytes
-    than :func:`_partials`, the same values to float64's rounding). One widened copy and single passes: Welford's
-    mean and squared deviations (``var_mean``), |x|, and min/max, zeros and negatives of the narrow rows. A padded
-    row's pads hold its first element (so they keep min and max), whose p copies are then taken out of its
-    partials: exactly for the counts, and for the moments by Chan's formula, well conditioned since that
-    element is one of the row's. Rows with NaN or Inf give non-finite moments; the decoder reads those from
-    min and max. ``narrow`` is changed (its pads)."""
-    w, p = layout.width, layout.row_pad
+    than :func:`_partials`, the same values to float64's rounding). A padded row's pads hold its first element (so
+    they keep min and max), whose copies :func:`_rows` then takes out. ``narrow`` is changed (its pads). With
+    ``layout.compiled``, :func:`_rows` runs as torch.compile's kernels (:data:`ROW_KERNEL`)."""
     if not len(narrow):  # every tensor empty (this rank's shards, say): var_mean of no rows would warn
         return narrow.new_zeros(0, COLUMNS, dtype=layout.wide)
     if len(layout.pad_at):
         flat = narrow.view(-1)
         flat.index_put_((layout.pad_at,), flat.index_select(0, layout.pad_src))
+    args = (narrow, layout.row_n, layout.row_pad, layout.pad_weight, layout.width, layout.higher_rows)
+    if layout.compiled:
+        out = ROW_KERNEL(*args)
+        if out is not None:
+            return out
+        layout.compiled = False  # did not compile: said once, eager from now on
+    return _rows(*args)
+
+
+def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight: torch.Tensor, w: int, k: int,
+          compiled: bool = False) -> torch.Tensor:
+    """The rows' partials: min/max, zeros and negatives of the narrow rows, and of the widened rows the sum of
+    |x|, the mean and the squared deviations from it; the ``p`` copies of each row's first element that pad it are
+    taken out exactly for the counts, and for the moments by Chan's formula, well conditioned since that element is
+    one of the row's. Only the first ``k`` rows get 3rd and 4th powers. Rows with NaN or Inf give non-finite
+    moments; the decoder reads those from min and max. Eager: one widened copy and single passes (Welford's
+    ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``): the mean, then the
+    deviations' powers, which the compiler fuses into two reads of ``narrow`` and no copy."""
     first = narrow[:, 0]
-    v = first.to(layout.wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy (float64: a view); non-finite: unused
+    wide = row_n.dtype
+    v = first.to(wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy (float64: a view); non-finite: unused
     zeros = (narrow == 0).sum(1) - p * (first == 0)
     negatives = (narrow < 0).sum(1) - p * (first < 0)
     lo, hi = torch.aminmax(narrow, dim=1)
-    x = narrow.to(layout.wide)
-    var, mean = torch.var_mean(x, dim=1, correction=0)
-    mean = mean.add_(p * (mean - v) / layout.row_n)  # the real elements' mean
-    offset = v - mean
-    m2 = var.mul_(w).sub_(layout.pad_weight * offset.square())
+    x = narrow.to(wide)
     absolute = torch.linalg.vector_norm(x, 1, dim=1).sub_(p * v.abs())
     cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
-    if layout.higher_rows:  # only the tensors whose kurtosis is wanted (activations), not every gradient
-        k = layout.higher_rows
-        d = x[:k].sub_(mean[:k, None])
+    if compiled:
+        mean = (x.sum(1) - p * v) / row_n  # the real elements' mean
+        offset = v - mean
+        d = x - mean[:, None]
+        square = d.square()
+        m2 = square.sum(1) - p * offset.square()
+        if k:
+            cubes[:k] = (square[:k] * d[:k]).sum(1) - p[:k] * offset[:k] ** 3
+            fourths[:k] = square[:k].square().sum(1) - p[:k] * offset[:k] ** 4
+        return torch.stack([row_n, mean * row_n, m2, zeros, negatives, lo, hi, absolute, cubes, fourths], 1)
+    var, mean = torch.var_mean(x, dim=1, correction=0)
+    mean = mean.add_(p * (mean - v) / row_n)  # the real elements' mean
+    offset = v - mean
+    m2 = var.mul_(w).sub_(pad_weight * offset.square())
+    if k:  # only the tensors whose kurtosis is wanted (activations), not every gradient
+        d = x[:k].sub_(mean[:k, None])  # x is used up: a copy, or narrow itself (float64)
         square = d.square()
         cubes[:k] = (square * d).sum(1) - p[:k] * offset[:k] ** 3
         fourths[:k] = torch.linalg.vector_norm(square, 2, dim=1).square_() - p[:k] * offset[:k] ** 4
         del d, square
-    return torch.stack([layout.row_n, mean * layout.row_n, m2, zeros, negatives, lo, hi, absolute, cubes, fourths], 1)
+    return torch.stack([row_n, mean * row_n, m2, zeros, negatives, lo, hi, absolute, cubes, fourths], 1)
+
+
+class _RowKernel:
+    """:func:`_rows` under ``torch.compile`` (made at the first call): a log step's rows in a few fused kernels
+    instead of ~15 passes over them, with dynamic sizes: one compile per dtype (and with or without 3rd and 4th powers).
+    A compile that fails returns None, with one warning naming ``stats.compile``; the rows are then described
+    eagerly, with the same values to float64's rounding."""
+
+    def __init__(self) -> None:
+        self._fn: Any = None
+        self.failed: str | None = None  # why it did not compile
+        self.calls = 0  # the layouts' calls it answered
+
+    def __call__(self, *args: Any) -> torch.Tensor | None:
+        if self.failed is not None:
+            return None
+        try:
+            if self._fn is None:
+                self._fn = torch.compile(_rows, fullgraph=True, dynamic=True)  # a compile per dtype, not per size
+            out = self._fn(*args, compiled=True)
+        except Exception as e:  # any compiler's failure: the eager rows give the same values
+            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            log.warning("stats.compile: the statistics' fused kernel did not compile (%s); tensors are described "
+                        "eagerly from now on, with the same values. Set stats.compile=false to skip the attempt.",
+                        self.failed[:300])
+            return None
+        self.calls += 1
+        return out
+
+
+ROW_KERNEL = _RowKernel()
 
 
 def _combine(parts: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:

@@ -224,7 +224,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = Stats
           **settings: Any) -> Watch:
     """Log the trainer's statistics of ``model`` every ``every`` optimizer steps of any loop; see the module
     docstring. ``settings``: the trainer's ``stats`` keys (grads, activations, params, updates, optimizer_state
-    for ``stats.optimizer``, group_by, hist_bins (64, as wandb.watch), hist_sample, gns, gns_ema), hooks (hook
+    for ``stats.optimizer``, group_by, hist_bins (64, as wandb.watch), hist_sample, gns, gns_ema, compile), hooks (hook
     specs, as ``attach`` takes them), step (the index of the next optimizer step), gns_batch_size, grad_scale,
     spike and forensics (the trainer's ``guard.spike`` and ``guard.forensics`` keys), forensics_dir; or
     ``stats=`` a StatsConfig and ``guard=`` a GuardConfig."""

@@ -14,6 +14,7 @@ from hookexp.engine import HookHandle
 from hookexp.run.loop import run_job as train
 from hookexp.run.sinks import Sinks
 from hookexp.run.trainer import Trainer
+from hookexp.telemetry import stats
 from hookexp.telemetry.observer import Observers
 from hookexp.telemetry.stats import ACTIVATION_STATS
 
@@ -100,12 +101,15 @@ def test_with_records_landing_late_no_step_syncs_the_host(tmp_path: Path, monkey
         monkeypatch.setattr(Trainer, name, may_sync(getattr(Trainer, name)))
     monkeypatch.setattr(Trainer, "land", landing)
     monkeypatch.setattr(Observers, "start", start_step)
+    calls = stats.ROW_KERNEL.calls
     try:  # 12 steps: within the first epoch (a smaller last batch would make the activations a new layout)
         summary = train(config("stats.every=1", "stats.grads=*", "stats.activations=relu*", "stats.hist_bins=16",
                                "trainer.max_steps=12"), tmp_path)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert summary["status"] == "finished" and all(late) and late
+    # the statistics ran compiled (CUDA's default), compiled at step 0 (a compile under "error" would fall back)
+    assert stats.ROW_KERNEL.failed is None and stats.ROW_KERNEL.calls > calls
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["trainer/step"] for r in rows] == list(range(12)) and all("act/relu1/std" in r for r in rows)
     # the sync debug mode cannot see an event's wait: that each record landed a step late is asserted here

@@ -70,13 +70,17 @@ def mixed(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) for k, v in out.items()}
 
 
-@pytest.fixture(params=["two_pass", "fused"])
+@pytest.fixture(params=["two_pass", "fused", "compiled"])
 def path(request, monkeypatch):
-    """Each device's path on the CPU: the two-pass partials (CPU, MPS) and the single-pass rows (CUDA)."""
+    """Each device's path on the CPU: the two-pass partials (CPU, MPS), the single-pass rows (CUDA with
+    stats.compile=false) and those rows in torch.compile's kernels (CUDA's default)."""
     from hookexp.telemetry import stats
 
     monkeypatch.setattr(stats, "FUSED", frozenset({"cpu"} if request.param == "fused" else ()))
-    return request.param
+    monkeypatch.setattr(stats, "COMPILED", frozenset({"cpu"} if request.param == "compiled" else ()))
+    yield request.param
+    if request.param == "compiled":  # the kernel compiled (a failure would fall back to the eager rows)
+        assert stats.ROW_KERNEL.failed is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -266,6 +270,7 @@ def test_describe_does_not_read_anything_back(monkeypatch, path):
     tensors = {**mixed(), "bf16": torch.randn(50).bfloat16()}
     describer = TensorStats(hist_bins=8, hist_sample=500)
     want = read([describer.describe(tensors)])
+    read([TensorStats(stats=("norm",)).describe({"p": torch.ones(3)})])  # compiled: its first call compiles
     calls = Counter()
 
     def forbidden(name):
@@ -290,8 +295,11 @@ def test_describe_does_not_read_anything_back(monkeypatch, path):
 def test_on_cuda_describe_never_syncs_and_equals_the_cpu():
     tensors = {**mixed(), "bf16": torch.randn(5000).bfloat16(), "nan": torch.tensor([1.0, NAN])}
     on_gpu = {k: v.cuda() for k, v in tensors.items()}
+    from hookexp.telemetry import stats
+
     describer = TensorStats(hist_bins=8, hist_sample=500)
-    read([describer.describe(on_gpu)])  # a new layout copies its index tensors to the GPU once
+    read([describer.describe(on_gpu)])  # a new layout copies its index tensors to the GPU once, and compiles
+    assert stats.ROW_KERNEL.failed is None and all(layout.compiled for layout in describer._layouts.values())
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

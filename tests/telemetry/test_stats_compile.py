@@ -1,0 +1,84 @@
+"""``stats.compile``: a log step's tensors described by torch.compile's fused kernels (CUDA's default), forced on
+the CPU here (inductor's C++ kernels): the same logged values as the eager rows, the eager rows when the compiler
+fails, and the setting's default and checks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import config, read_jsonl
+
+from hookexp.errors import ConfigError
+from hookexp.run.loop import run_job as train
+from hookexp.telemetry import stats
+from hookexp.telemetry.readback import read
+from hookexp.telemetry.stats import TensorStats
+
+RUN = ("trainer.max_steps=6", "stats.every=3", "stats.activations=*relu*", "stats.hist_bins=8", "data.batch_size=32")
+
+
+def logged(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if any(k.startswith("grad/") for k in r)]
+
+
+def test_a_run_with_compiled_statistics_logs_what_the_eager_rows_log(tmp_path):
+    """Every gradient and activation statistic (kurtosis too) of a digits run, compiled against eager, to float64's
+    rounding; the losses bit for bit (the statistics do not touch training)."""
+    before = stats.ROW_KERNEL.calls
+    train(config(*RUN, "stats.compile=true"), tmp_path / "compiled")
+    assert stats.ROW_KERNEL.failed is None and stats.ROW_KERNEL.calls > before
+    train(config(*RUN, "stats.compile=false"), tmp_path / "eager")
+    compiled, eager = logged(tmp_path / "compiled"), logged(tmp_path / "eager")
+    assert [r["trainer/step"] for r in compiled] == [r["trainer/step"] for r in eager] == [0, 3, 5]
+    for got, want in zip(compiled, eager, strict=True):
+        assert got.keys() == want.keys()
+        assert any(k.endswith("/kurtosis") for k in got) and any(k.startswith("act/") for k in got)
+        for key, value in want.items():
+            if key == "train/loss":
+                assert got[key] == value
+            elif key.startswith(("grad/", "act/")) and isinstance(value, float) and math.isfinite(value):
+                assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_a_compiler_that_fails_leaves_the_eager_rows_with_one_warning(monkeypatch, caplog):
+    """A compile error (no C++ compiler, an inductor bug) is said once, naming stats.compile; every call then gives
+    what the eager rows give."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(stats, "ROW_KERNEL", stats._RowKernel())
+    monkeypatch.setattr(torch, "compile", broken)
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(300), "b": torch.randn(7, 5)}
+    want = read([TensorStats(compile=False).describe(tensors)])
+    with caplog.at_level(logging.WARNING, logger="hookexp.stats"):
+        first = read([TensorStats(compile=True).describe(tensors)])
+        second = read([TensorStats(compile=True).describe(tensors)])
+    warned = [r.getMessage() for r in caplog.records if r.name == "hookexp.stats"]
+    assert warned == ["stats.compile: the statistics' fused kernel did not compile (RuntimeError: no working C++ "
+                      "compiler found); tensors are described eagerly from now on, with the same values. Set "
+                      "stats.compile=false to skip the attempt."]
+    for got in (first, second):
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-12, nan_ok=True) for k in want)
+
+
+def test_the_default_compiles_on_cuda_only_and_the_setting_is_checked():
+    """stats.compile=null: compiled where COMPILED names the device (CUDA), eager on this CPU; a value that is not a
+    flag is refused naming the key."""
+    assert {"cuda"} == set(stats.COMPILED)
+    plain = TensorStats()
+    plain.describe({"a": torch.randn(10)})
+    forced = TensorStats(compile=True)
+    forced.describe({"a": torch.randn(10)})
+    assert [layout.compiled for layout in plain._layouts.values()] == [False]
+    assert [layout.compiled for layout in forced._layouts.values()] == [True]
+    from hookexp.run import compose
+
+    with pytest.raises(ConfigError) as e:
+        compose("stats.compile=sometimes")
+    assert str(e.value).startswith("stats.compile: "), str(e.value)
