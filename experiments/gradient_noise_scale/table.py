@@ -1,6 +1,9 @@
 """The study's table: train/loss and B_simple (global and per layer) at chosen steps, mean ± std over the seeds.
 
     python experiments/gradient_noise_scale/table.py multirun/<date>/<time> > experiments/gradient_noise_scale/table.md
+
+A shorter run (``trainer.epochs=5``) gets the rows of the steps that every run logged; the steps left out are
+named on stderr.
 """
 
 from __future__ import annotations
@@ -27,9 +30,16 @@ def cell(values: list[float]) -> str:
 
 def main(root: str) -> None:
     runs = [rows(p.parent) for p in sorted(Path(root).glob("*/metrics.jsonl"))]
+    if not runs:
+        sys.exit(f"table.py: no run under {root} (looked for {root}/*/metrics.jsonl: a multirun directory)")
+    steps = [s for s in STEPS if all(s in r for r in runs)]
+    missing = [s for s in STEPS if s not in steps]
+    if missing:
+        print(f"table.py: steps {', '.join(map(str, missing))} are not logged in every run (a shorter run?); "
+              f"the table has {', '.join(map(str, steps)) or 'no step'}", file=sys.stderr)
     print(f"| step | {' | '.join(COLUMNS)} |")
     print(f"|---|{'---|' * len(COLUMNS)}")
-    for step in STEPS:
+    for step in steps:
         print(f"| {step} | {' | '.join(cell([r[step][c] for r in runs]) for c in COLUMNS)} |")
     print(f"\n{len(runs)} seeds, mean ± std; B_simple in samples (the big batch: 128).")
 

@@ -1,11 +1,15 @@
 """The settings the studies of experiments/ need, against hand-written torch: the official Grokfast code's
 block layout, initialisation, warmup and optimizer; a split drawn from the run's seed; trainer.stop_when and
-trainer.eval_every_epochs; and every study config composes and trains a few steps."""
+trainer.eval_every_epochs; every study config composes and trains a few steps; the
+gradient_noise_scale study's table script on shortened runs."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,6 +195,27 @@ def test_study_configs_train_a_few_steps(overrides, tmp_path: Path):
     if "experiment=gradient_noise_scale" in overrides:  # every step: B_simple per layer and globally
         assert all({f"gns{g}/b_simple" for g in ("", "/conv1", "/conv2", "/fc1", "/fc2")} <= set(r)
                    for r in rows if "train/loss" in r)
+
+
+def test_gns_table_of_a_shortened_run_has_the_steps_every_run_logged(tmp_path: Path):
+    """experiments/gradient_noise_scale/table.py on runs shorter than the study's 300 steps (trainer.epochs=5)."""
+    columns = ("train/loss", "gns/grad_sq", "gns/trace", "gns/b_simple", "gns/conv1/b_simple", "gns/conv2/b_simple",
+               "gns/fc1/b_simple", "gns/fc2/b_simple")
+    for seed, (last, scale) in enumerate([(70, 1.0), (40, 3.0)]):  # the second run stopped earlier
+        (tmp_path / str(seed)).mkdir()
+        lines = [{"trainer/step": step, **{c: scale * (step + 1) for c in columns}} for step in range(0, last + 1, 10)]
+        lines.append({"trainer/step": last, "val/acc": 0.5})  # a validation row: no train/loss
+        (tmp_path / str(seed) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    table = Path(__file__).resolve().parents[2] / "experiments" / "gradient_noise_scale" / "table.py"
+    done = subprocess.run([sys.executable, str(table), str(tmp_path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ("table.py: steps 60, 100, 150, 200, 250, 299 are not logged in every run (a shorter run?); "
+                           "the table has 0, 20, 40\n")
+    body = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| step")]
+    # mean and std of (step + 1) and 3 (step + 1): 2 (step + 1) and sqrt(2) (step + 1)
+    assert body == [f"| {step} | {' | '.join([cell] * len(columns))} |"
+                    for step, cell in [(0, "2 ± 1.4"), (20, "42 ± 30"), (40, "82 ± 58")]]
+    assert done.stdout.endswith("2 seeds, mean ± std; B_simple in samples (the big batch: 128).\n")
 
 
 def test_stop_when_on_a_metric_the_task_does_not_log_is_refused_before_training(tmp_path: Path):
