@@ -124,7 +124,7 @@ DEFAULTS = {
     "guard.forensics.window": 32, "guard.forensics.z": 8.0, "guard.forensics.top": 10, "guard.forensics.updates": False,
     "stats.every": 10, "stats.grads": "*", "stats.activations": None, "stats.hist_bins": 0, "stats.hist_sample": 4096,
     "stats.params": None, "stats.updates": None, "stats.optimizer": None, "stats.group_by": None,
-    "stats.gns": False, "stats.gns_ema": 0.95,
+    "stats.gns": False, "stats.gns_ema": 0.95, "stats.compile": None,
     "logger._target_": "hookexp.run.sinks.WandbSink", "logger.mode": "offline", "logger.project": "hookexp",
     "logger.entity": None,
     "logger.group": None, "logger.job_type": "train", "logger.name": None, "logger.tags": [],
