@@ -16,7 +16,7 @@ from typing import Any
 
 from hookexp.engine.context import HookContext
 from hookexp.engine.transforms import TRANSFORMS, BatchedFn, TransformFn
-from hookexp.errors import SpecError, TransformArgsError, did_you_mean
+from hookexp.errors import HookexpError, SpecError, TransformArgsError, did_you_mean
 
 # ----------------------------------------------------------------------------------------------------
 # Binding a transform to a spec: arguments checked once, before any hook fires.
@@ -46,16 +46,59 @@ class Transform:
         return f"Transform({self.name})"
 
 
-def _locate(path: str, spec: str) -> Callable[..., Any]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module_name) if module_name else None
-        for part in attr.split("."):
+def import_object(path: str) -> Any:
+    """The object a dotted path names (``torch.optim.SGD``, ``my_pkg.mod.fn``; submodules are imported on the way),
+    as Hydra finds a ``_target_`` but without its log line. An :class:`ImportError` says which part is missing
+    (``module 'torch.optim' has no attribute 'SDG'. Did you mean 'SGD'?``) or what importing a module raised;
+    hookexp's own errors (a missing extra) pass unchanged."""
+    parts = path.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise ImportError(f"{path!r} is not a dotted path (pkg.module.name).")
+    obj = _import_module(parts[0])
+    if obj is None:
+        raise ImportError(f"no module named {parts[0]!r}.")
+    for i, part in enumerate(parts[1:], 1):
+        try:
             obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
+            continue
+        except AttributeError:
+            pass
+        module = _import_module(".".join(parts[:i + 1])) if inspect.ismodule(obj) else None
+        if module is None:
+            what = "module" if inspect.ismodule(obj) else type(obj).__name__
+            public = [n for n in dir(obj) if not n.startswith("_")]
+            raise ImportError(f"{what} {'.'.join(parts[:i])!r} has no attribute {part!r}."
+                              f"{did_you_mean(part, public)}")
+        obj = module
+    return obj
+
+
+def _import_module(name: str) -> Any:
+    """The module ``name``, or None when there is no such module; an error raised while importing it (a missing
+    import inside the user's file, a syntax error) is an :class:`ImportError` naming the module and the cause."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name or name.startswith(f"{e.name}."):
+            return None
+        cause: Exception = e
+    except HookexpError:  # a module of hookexp's that names the extra it needs
+        raise
+    except Exception as e:  # whatever the module's own code raised
+        cause = e
+    raise ImportError(f"importing {name!r} raised {type(cause).__name__}: "
+                      f"{str(cause).splitlines()[0].rstrip('.') if str(cause) else '(no message)'}.") from cause
+
+
+def _locate(path: str, spec: str) -> Callable[..., Any]:
+    try:
+        obj = import_object(path)
+    except ImportError as e:
+        if isinstance(e, HookexpError):
+            raise
         raise SpecError(
-            f"cannot import the user transform {path!r} ({type(e).__name__}: {e}). Give the full dotted "
-            "path of a function importable from the run's Python path, e.g. my_pkg.transforms.my_fn.",
+            f"cannot import the user transform {path!r}: {e} Give the full dotted path of a function importable "
+            "from the run's Python path, e.g. my_pkg.transforms.my_fn.",
             spec=spec,
             field="transform",
         ) from None

@@ -107,7 +107,10 @@ def test_unknown_type_lists_classes():
         ({"target": "conv1", "kind": "forward", "transform": {"fn": "x"}}, SpecError,
          r"hooks\.s\.transform: a user transform must be a mapping with '_target_'"),
         ({"target": "conv1", "kind": "forward", "transform": {"_target_": "no_such_pkg.fn"}}, SpecError,
-         r"hooks\.s\.transform: cannot import the user transform 'no_such_pkg\.fn'"),
+         r"hooks\.s\.transform: cannot import the user transform 'no_such_pkg\.fn': no module named 'no_such_pkg'\. "),
+        ({"target": "conv1", "kind": "forward", "transform": {"_target_": "torch.nn.functional.reluu"}}, SpecError,
+         r"hooks\.s\.transform: cannot import the user transform 'torch\.nn\.functional\.reluu': module "
+         r"'torch\.nn\.functional' has no attribute 'reluu'\. Did you mean 'relu'"),
         ({"target": "conv1", "kind": "forward", "transform": "clamp"}, TransformArgsError,
          r"hooks\.s\.args: transform 'clamp' needs at least one of 'min' and 'max'"),
         ({"target": "conv1", "kind": "forward", "transform": "clamp", "args": {"mn": 0}}, TransformArgsError,

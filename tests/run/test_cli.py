@@ -107,6 +107,9 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
         (["+optim.betas=[0.9,0.99]"], ["hookexp: error: optim.betas: SGD has no parameter 'betas'.",
                                        "Its parameters: lr, momentum, dampening, weight_decay, nesterov,"]),
         (["optim=adamw", "optim.lr=abc"], ["hookexp: error: optim.lr: expected a number, got 'abc'."]),
+        # the module is there, the name is not: said so, with the close names, and no Hydra log line before it
+        (["optim._target_=torch.optim.SDG"], ["hookexp: error: optim._target_: cannot import 'torch.optim.SDG': "
+                                              "module 'torch.optim' has no attribute 'SDG'. Did you mean 'SGD'"]),
     ],
 )
 def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directory(args, expected, workdir):
@@ -116,6 +119,7 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     for piece in expected:
         assert piece in text, text[-2000:]
     assert "Traceback" not in text and "To append to your config" not in text and "HYDRA_FULL_ERROR" not in text
+    assert "[ERROR]" not in text  # one paragraph: no log line of Hydra's (or anyone's) before it
     assert not (workdir / "run").exists()
 
 
