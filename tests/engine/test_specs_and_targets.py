@@ -125,6 +125,22 @@ def test_unknown_type_lists_classes():
          r"needs exactly one of 'p'"),
         ({"target": "conv1", "kind": "forward", "transform": "quantize", "args": {"step": 0}},
          TransformArgsError, r"needs step > 0"),
+        # a flag given as text is not taken as true; None where the signature takes no None; an int-only argument
+        ({"target": "conv1", "kind": "forward", "transform": "quantize",
+          "args": {"step": 0.1, "straight_through": "no"}}, TransformArgsError,
+         r"hooks\.s\.args\.straight_through: transform 'quantize' takes true or false for 'straight_through', "
+         r"got 'no'\.$"),
+        ({"target": "conv1", "kind": "forward", "transform": "scale", "args": {"factor": None}}, TransformArgsError,
+         r"hooks\.s\.args\.factor: transform 'scale' takes a number for 'factor', got None\.$"),
+        ({"target": "conv1", "kind": "forward", "transform": "record", "args": {"max_records": 2.5}},
+         TransformArgsError, r"hooks\.s\.args\.max_records: transform 'record' takes a whole number for "
+                             r"'max_records', got 2\.5\.$"),
+        # an alias's arguments are named as the user spells them (reverse's lambda, not the Python name lambd)
+        ({"target": "conv1", "kind": "output_grad", "transform": "reverse", "args": {"lambda": None}},
+         TransformArgsError, r"hooks\.s\.args\.lambda: transform 'reverse' takes a number for 'lambda', got None\.$"),
+        ({"target": "conv1", "kind": "output_grad", "transform": "reverse", "args": {"lamda": 1}}, TransformArgsError,
+         r"hooks\.s\.args\.lamda: transform 'reverse' has no argument 'lamda'\. Did you mean 'lambda'\? Its "
+         r"arguments: lambda\.$"),
     ],
 )
 def test_bad_specs_fail_before_attaching(raw, error, pattern):
@@ -142,3 +158,18 @@ def test_list_specs_get_default_names_and_reject_duplicates():
     with pytest.raises(SpecError, match="got a single spec where a mapping of named specs"):
         parse_specs({"target": "conv1", "kind": "forward"})
     assert parse_specs(HookSpec(name="x", target="conv1", kind="forward"))[0].name == "x"
+
+
+def test_a_user_transforms_hints_are_checked_and_a_none_default_allows_none():
+    """``scale: float = None`` (a hint without Optional) takes None, as its default says; ``on: bool`` takes no
+    text. Both checked when the spec is bound, before any hook is attached."""
+    def user(x, ctx, scale: float = None, on: bool = True):  # noqa: RUF013 - the loose hint users write
+        return x * (scale or 1.0)
+
+    model = SmallCNN()
+    with attach(model, {"s": {"target": "fc1", "kind": "forward", "transform": user, "args": {"scale": None}}}):
+        pass
+    with pytest.raises(TransformArgsError, match=r"^hooks\.s\.args\.on: transform '.*user' takes true or false "
+                                                 r"for 'on', got 'false'\.$"):
+        attach(model, {"s": {"target": "fc1", "kind": "forward", "transform": user, "args": {"on": "false"}}})
+    assert all(not m._forward_hooks for m in model.modules())
