@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HELPERS, config, read_jsonl, run_cli, wandb_history, wandb_summary
+from docblocks import DOCS, section
 
 from hookexp.errors import ConfigError, HookexpError
 from hookexp.run.loop import run_job as train
@@ -218,6 +219,24 @@ def test_a_run_directory_holds_one_run_and_resume_recomposes_its_config(workdir)
     summary = json.loads((workdir / "run" / "summary.json").read_text())
     assert summary["trainer/steps"] == 2 and "hook/clamp_conv/calls" not in summary
     assert not (workdir / "run" / "checkpoints").exists()
+
+
+def test_a_refused_resume_lists_what_may_change_as_docs_runs_md_does(tmp_path):
+    """The list names optimized_metric and logger.*, not resume itself; docs/runs.md lists the same keys."""
+    from hookexp.errors import RunDirError
+    from hookexp.run.rundir import resumable_changes, resume_overrides
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- trainer.max_steps=4\n")
+    with pytest.raises(RunDirError) as e:
+        resume_overrides(["resume=true", f"hydra.run.dir={tmp_path}", "optim.lr=0.5"])
+    assert str(e.value).endswith(
+        "optim.lr=0.5 would change what it computes. Only trainer.max_steps, trainer.epochs, trainer.progress, "
+        "trainer.checkpoint_every, trainer.device, trainer.num_threads, trainer.save_records, data.num_workers, "
+        "trainer.stop_when, hydra.searchpath, logger.*, optimized_metric may change on resume; start a new run for "
+        "anything else.")
+    docs = " ".join(section(DOCS / "runs.md", "Checkpoints, resume, the guard").split())
+    assert [k for k in resumable_changes().split(", ") if f"`{k}`" not in docs] == []
 
 
 def test_the_resume_command_an_interrupted_run_prints_works(workdir):
