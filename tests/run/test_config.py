@@ -235,6 +235,23 @@ def test_typos_fail_at_compose(override, pattern):
     assert pattern in str(e.value) + str(e.value.__cause__)
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("hooks.clamp_conv.types=Conv2d", "hooks.clamp_conv.types: 'Conv2d' is not a list. hooks.clamp_conv.types "
+     "takes a list, e.g. hooks.clamp_conv.types=[Conv2d] (hooks.clamp_conv.types=[] for none)."),
+    ("logger.tags=x", "logger.tags: 'x' is not a list. logger.tags takes a list, e.g. logger.tags=[x] (logger.tags=[] "
+     "for none)."),
+    ("hooks.clamp_conv.args=5", "hooks.clamp_conv.args: 5 is not a mapping. hooks.clamp_conv.args takes a mapping, "
+     "e.g. hooks.clamp_conv.args={name:value} (python -m hookexp --cfg job shows the config)."),
+])
+def test_a_value_where_a_list_or_mapping_goes_is_named_with_the_syntax(override, message):
+    """Not OmegaConf's "Invalid value assigned: str is not a ListConfig, list or tuple.." and its type names."""
+    from hookexp.run.hydra_api import explain_hydra_error
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose("config", overrides=["hooks=clamp_conv", override])
+    assert str(explain_hydra_error(e.value)) == message
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_composes_and_passes_the_dry_run(experiment):
     cfg = compose("config", overrides=[f"experiment={experiment}"])
