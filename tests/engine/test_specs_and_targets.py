@@ -83,8 +83,13 @@ def test_module_kind_on_parameter_name_and_back():
 
 
 def test_unknown_type_lists_classes():
-    with pytest.raises(TargetError, match=r"hooks\.s\.types: type 'Conv2D' .* Did you mean 'Conv2d'"):
-        attach(SmallCNN(), {"s": {"target": "*", "kind": "forward", "types": ["Conv2D"]}})
+    """The classes a user would write: the models' and torch's public ones (a base class counts: Module), not
+    `object` nor private bases such as _ConvNd."""
+    with pytest.raises(TargetError) as e:
+        attach(SmallCNN(), {"s": {"target": "*", "kind": "forward", "types": ["Conv3d"]}})
+    assert str(e.value) == ("hooks.s.types: type 'Conv3d' is not the class of any module in SmallCNN. Did you mean "
+                            "'Conv2d'? Classes present: Conv2d, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential, "
+                            "SmallCNN.")
 
 
 @pytest.mark.parametrize(
