@@ -221,6 +221,24 @@ def test_a_run_directory_holds_one_run_and_resume_recomposes_its_config(workdir)
     assert not (workdir / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["reprot", "multirun/x"], "hookexp: error: 'reprot' is neither a subcommand nor an override (KEY=VALUE, "
+                               "GROUP=OPTION). Did you mean 'report' or 'replay'? Subcommands: report, ablate, replay; "
+                               "python -m hookexp --help lists the config groups and keys.\n"),
+    (["hooks", "clamp_conv"], "hookexp: error: 'hooks' is neither a subcommand nor an override (KEY=VALUE, "
+                              "GROUP=OPTION). Subcommands: report, ablate, replay;"),
+])
+def test_a_first_word_that_is_no_subcommand_nor_override_is_named(argv, expected, monkeypatch, capsys):
+    """Not Hydra's "Error parsing override 'reprot' / missing EQUAL at '<EOF>'" (exit 1): one line, exit 2."""
+    from hookexp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["hookexp", *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(expected)
+
+
 def test_a_refused_resume_lists_what_may_change_as_docs_runs_md_does(tmp_path):
     """The list names optimized_metric and logger.*, not resume itself; docs/runs.md lists the same keys."""
     from hookexp.errors import RunDirError
