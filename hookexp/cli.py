@@ -410,6 +410,12 @@ def main() -> None:
     if sys.argv[1:] in (["--version"], ["-V"]):  # hookexp's version, not Hydra's (its flag), and without torch
         print(versions())
         sys.exit(0)
+    if len(sys.argv) > 1 and not sys.argv[1].startswith(("-", "~")) and "=" not in sys.argv[1]:
+        word = sys.argv[1]  # `hookexp reprot DIR`: not Hydra's "Error parsing override 'reprot' missing EQUAL"
+        print(f"hookexp: error: {word!r} is neither a subcommand nor an override (KEY=VALUE, GROUP=OPTION)."
+              f"{did_you_mean(word, SUBCOMMANDS)} Subcommands: {', '.join(SUBCOMMANDS)}; python -m hookexp --help "
+              "lists the config groups and keys.", file=sys.stderr)
+        sys.exit(2)
     args = sys.argv[1:]
     others = [a for a in args if a.startswith("-") or "=" not in a]  # Hydra's flags and their values
     overrides = [a for a in args if not a.startswith("-") and "=" in a]

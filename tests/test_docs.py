@@ -145,3 +145,49 @@ def test_every_python_example_marked_runs_runs_as_pasted(path: Path, tmp_path: P
         done = run(f"python example{i}.py", tmp_path, user_env(WANDB_MODE="disabled"))
         assert done.returncode == 0, (path.name, i, done.stderr[-3000:])
         assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+# rows of docs/configuration.md's group table whose options are not a folder's files: the hook sets are listed on
+# their own page, and the launchers beside slurm are the plugins' (conf/hydra/help is the --help text, no option)
+NOT_FILES = {"hooks": "docs/hooks.md lists the hook sets", "hydra/launcher": "joblib and submitit_local: plugins"}
+
+
+def test_the_configuration_pages_group_table_lists_every_option_of_every_group():
+    rows = re.findall(r"^\| `([\w/]+)` \| (.+?) \|", section(DOCS / "configuration.md", "Groups"), re.MULTILINE)
+    conf = ROOT / "conf"
+    groups = {str(p.parent.relative_to(conf)) for p in conf.rglob("*.yaml") if p.parent != conf} - {"hydra/help"}
+    assert sorted(g for g, _ in rows) == sorted(groups)
+    for group, options in rows:
+        if group not in NOT_FILES:
+            files = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+            assert sorted(re.findall(r"`(\w+)`", options)) == files, group
+
+
+def listed_arguments(text: str, name: str) -> str:
+    """What follows ``name (`` in ``text`` up to its closing parenthesis (nested ones included), or ''."""
+    found = re.search(rf"\b{name}\**\s+\(", text)  # add (`value`), **reverse** (`lambda`)
+    if not found:
+        return ""
+    depth, start = 1, found.end()
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    return ""
+
+
+def test_the_transforms_page_lists_every_argument_of_every_transform():
+    import inspect
+
+    from hookexp.engine import TRANSFORMS
+
+    registry = (DOCS / "transforms.md").read_text().split("\n\n")[1]  # the paragraph after the title
+    for name, info in TRANSFORMS.items():
+        if info.alias_of is not None and info.translate is None:
+            continue  # zero_ablate: zero's arguments (none)
+        fn = info.translate or info.fn
+        params = list(inspect.signature(fn).parameters)[0 if info.translate else 2:]
+        shown = {v: k for k, v in info.arg_aliases.items()}
+        listed = listed_arguments(registry, name)
+        missing = [shown.get(p, p) for p in params if f"`{shown.get(p, p)}`" not in listed]
+        assert not missing, (name, missing, listed)

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_module
+from hookexp.run import compose
 
 
 def is_sweep(override: str) -> bool:
@@ -35,9 +35,7 @@ def spec_names(overrides: list[str]) -> list[str]:
     """The hook specs the overrides select (``hooks=...``, ``experiment=...``); sweeps and Hydra's own
     settings are left out of this composition."""
     fixed = [o for o in overrides if not is_sweep(o) and not o.lstrip("+~").startswith("hydra")]
-    with initialize_config_module(config_module="hookexp.conf", version_base="1.3"):
-        cfg = compose("config", overrides=fixed)
-    return list(cfg.hooks)
+    return list(compose(*fixed).hooks)  # Hydra's errors (hooks=[a,typo]) as hookexp's ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     if not overrides or overrides[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    names = spec_names(overrides)
+    from hookexp.errors import HookexpError
+
+    try:
+        names = spec_names(overrides)
+    except HookexpError as e:
+        print(f"hookexp ablate: error: {e}", file=sys.stderr)
+        return 2
     if not names:
         print("hookexp ablate: error: the selected hooks have no specs to ablate; select a hook set, e.g. "
               "hooks=[clamp_conv,zero_fc_bias].", file=sys.stderr)
@@ -58,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     print("hookexp ablate:", " ".join(command[1:]), file=sys.stderr, flush=True)
     status = subprocess.call(command)
     from hookexp.analysis.report import report
-    from hookexp.errors import HookexpError
 
     try:
         markdown, _, _ = report([sweep_dir])

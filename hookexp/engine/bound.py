@@ -16,7 +16,7 @@ from typing import Any
 
 from hookexp.engine.context import HookContext
 from hookexp.engine.transforms import TRANSFORMS, BatchedFn, TransformFn
-from hookexp.errors import SpecError, TransformArgsError, did_you_mean
+from hookexp.errors import HookexpError, SpecError, TransformArgsError, did_you_mean
 
 # ----------------------------------------------------------------------------------------------------
 # Binding a transform to a spec: arguments checked once, before any hook fires.
@@ -46,16 +46,59 @@ class Transform:
         return f"Transform({self.name})"
 
 
-def _locate(path: str, spec: str) -> Callable[..., Any]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module_name) if module_name else None
-        for part in attr.split("."):
+def import_object(path: str) -> Any:
+    """The object a dotted path names (``torch.optim.SGD``, ``my_pkg.mod.fn``; submodules are imported on the way),
+    as Hydra finds a ``_target_`` but without its log line. An :class:`ImportError` says which part is missing
+    (``module 'torch.optim' has no attribute 'SDG'. Did you mean 'SGD'?``) or what importing a module raised;
+    hookexp's own errors (a missing extra) pass unchanged."""
+    parts = path.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise ImportError(f"{path!r} is not a dotted path (pkg.module.name).")
+    obj = _import_module(parts[0])
+    if obj is None:
+        raise ImportError(f"no module named {parts[0]!r}.")
+    for i, part in enumerate(parts[1:], 1):
+        try:
             obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
+            continue
+        except AttributeError:
+            pass
+        module = _import_module(".".join(parts[:i + 1])) if inspect.ismodule(obj) else None
+        if module is None:
+            what = "module" if inspect.ismodule(obj) else type(obj).__name__
+            public = [n for n in dir(obj) if not n.startswith("_")]
+            raise ImportError(f"{what} {'.'.join(parts[:i])!r} has no attribute {part!r}."
+                              f"{did_you_mean(part, public)}")
+        obj = module
+    return obj
+
+
+def _import_module(name: str) -> Any:
+    """The module ``name``, or None when there is no such module; an error raised while importing it (a missing
+    import inside the user's file, a syntax error) is an :class:`ImportError` naming the module and the cause."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name or name.startswith(f"{e.name}."):
+            return None
+        cause: Exception = e
+    except HookexpError:  # a module of hookexp's that names the extra it needs
+        raise
+    except Exception as e:  # whatever the module's own code raised
+        cause = e
+    raise ImportError(f"importing {name!r} raised {type(cause).__name__}: "
+                      f"{str(cause).splitlines()[0].rstrip('.') if str(cause) else '(no message)'}.") from cause
+
+
+def _locate(path: str, spec: str) -> Callable[..., Any]:
+    try:
+        obj = import_object(path)
+    except ImportError as e:
+        if isinstance(e, HookexpError):
+            raise
         raise SpecError(
-            f"cannot import the user transform {path!r} ({type(e).__name__}: {e}). Give the full dotted "
-            "path of a function importable from the run's Python path, e.g. my_pkg.transforms.my_fn.",
+            f"cannot import the user transform {path!r}: {e} Give the full dotted path of a function importable "
+            "from the run's Python path, e.g. my_pkg.transforms.my_fn.",
             spec=spec,
             field="transform",
         ) from None
@@ -110,13 +153,17 @@ def _defaults(fn: TransformFn) -> dict[str, Any]:
             if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, skip: int) -> None:
+def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, skip: int, *,
+                shown: Mapping[str, str] | None = None) -> None:
+    """Refuse arguments ``fn`` does not take, missing ones and values of another type than its hints say.
+    ``shown``: the user's spelling of a parameter in messages (``lambda`` for reverse's ``lambd``)."""
     params = list(inspect.signature(fn).parameters.values())[skip:]
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
-    allowed = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    user = {**{p.name: p.name for p in params}, **(shown or {})}
+    allowed = [user[p.name] for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for key in args:
-        if key not in allowed:
+        if user.get(key, key) not in allowed:
             listing = ", ".join(allowed) if allowed else "none"
             raise TransformArgsError(
                 f"transform {name!r} has no argument {key!r}.{did_you_mean(key, allowed)} "
@@ -124,7 +171,7 @@ def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, ski
                 spec=spec,
                 field=f"args.{key}",
             )
-    missing = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL
+    missing = [user[p.name] for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL
                and p.name not in args]
     if missing:
         raise TransformArgsError(
@@ -133,26 +180,39 @@ def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, ski
             spec=spec,
             field="args",
         )
-    _check_numbers(fn, args, name, spec)
-
-
-def _check_numbers(fn: TransformFn, args: dict[str, Any], name: str, spec: str) -> None:
-    """An argument its signature types as a number (``min: float | None``) must be one: ``args.min=abc`` from
-    the command line is an error here, not a TypeError inside the first hook call."""
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:  # annotations a user wrote that do not evaluate: nothing to check against
-        return
+    defaults = {p.name: p.default for p in params}
     for key, value in args.items():
-        hint = hints.get(key)
-        if hint is None or value is None:
-            continue
-        allowed = set(typing.get_args(hint)) or {hint}
-        numeric = allowed & {int, float}
-        if numeric and allowed <= {int, float, type(None)} and (
-                not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise TransformArgsError(f"transform {name!r} takes a number for {key!r}, got {value!r}.", spec=spec,
-                                     field=f"args.{key}")
+        wrong = _wrong_type(fn, key, value, defaults.get(key))
+        if wrong:
+            raise TransformArgsError(f"transform {name!r} takes {wrong} for {user.get(key, key)!r}, got {value!r}.",
+                                     spec=spec, field=f"args.{user.get(key, key)}")
+
+
+# what a hint of plain types asks for, in words
+_HINT_WORDS = ((frozenset({bool}), "true or false"), (frozenset({int}), "a whole number"),
+               (frozenset({float}), "a number"), (frozenset({int, float}), "a number"))
+
+
+def _wrong_type(fn: TransformFn, key: str, value: Any, default: Any) -> str | None:
+    """What an argument its signature types as a plain number or flag (``min: float | None``, ``aux: bool``) must
+    be, when ``value`` is not that: ``args.min=abc`` or ``args.straight_through=no`` from the command line is an
+    error here, not a TypeError inside the first hook call or a string taken as true. None is allowed where the
+    hint or the default allows it."""
+    try:
+        hint = typing.get_type_hints(fn).get(key)
+    except Exception:  # annotations a user wrote that do not evaluate: nothing to check against
+        return None
+    allowed = set(typing.get_args(hint)) or {hint}
+    plain = frozenset(allowed - {type(None)})
+    words = next((w for types, w in _HINT_WORDS if plain == types), None)
+    if words is None:
+        return None
+    if value is None:
+        return None if type(None) in allowed or default is None else words
+    if bool in plain:
+        return None if isinstance(value, bool) else words
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return None if number and (isinstance(value, int) or int not in plain or float in plain) else words
 
 
 def _bind_callable(fn: Callable[..., Any], args: dict[str, Any], name: str, spec: str, **extra: Any) -> BoundTransform:
@@ -187,7 +247,8 @@ def bind_transform(transform: Any, args: Mapping[str, Any], spec: str) -> BoundT
     args = {info.arg_aliases.get(k, k): v for k, v in args.items()}
     if info.alias_of is not None:
         if info.translate is not None:
-            _check_args(info.translate, args, info.name, spec, skip=0)
+            _check_args(info.translate, args, info.name, spec, skip=0,
+                        shown={v: k for k, v in info.arg_aliases.items()})
             args = info.translate(**args)
         target = TRANSFORMS[info.alias_of]
     else:

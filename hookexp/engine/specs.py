@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hookexp.engine.bound import bind_transform
 from hookexp.engine.kinds import KINDS
 from hookexp.engine.schema import HookSpec, SpecsLike, check_specs
 from hookexp.engine.transforms import TRANSFORMS
@@ -29,7 +30,13 @@ def collect_specs(specs: SpecsLike) -> tuple[list[HookSpec], list[HookexpError]]
 
 
 def parse_specs(specs: SpecsLike) -> list[HookSpec]:
-    """Parse specs (a mapping ``{name: spec}``, a list, or one :class:`HookSpec`); every error raised together."""
+    """Parse specs (a mapping ``{name: spec}``, a list, or one :class:`HookSpec`) and check all that needs no model:
+    the fields, the kind, the transform and its arguments; every error raised together."""
     parsed, errors = collect_specs(specs)
+    for spec in parsed:
+        try:
+            bind_transform(spec.transform, spec.args, spec.name)
+        except HookexpError as e:
+            errors.append(e)
     raise_all(errors)
     return parsed

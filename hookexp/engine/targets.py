@@ -126,7 +126,7 @@ def resolve(model: nn.Module, spec: HookSpec, what: TargetKind, config_key: str 
             present |= _class_names(type(m))
         for t in spec.types:
             if t not in present:
-                simple = sorted({n for n in present if "." not in n})
+                simple = sorted({n for n in present if "." not in n and not n.startswith("_") and n != "object"})
                 raise fail(f"type {t!r} is not the class of any module in {type(model).__name__}."
                            f"{did_you_mean(t, simple)} Classes present: {', '.join(simple)}.", "types")
         wanted = set(spec.types)

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hookexp.engine import parse_specs
 from hookexp.errors import MissingExtraError
 from hookexp.telemetry.readback import split_histograms
 from hookexp.telemetry.watch import Watch, as_logger, callback_settings
@@ -31,6 +32,8 @@ except ImportError as e:
 class HookexpCallback(Callback):
     def __init__(self, hooks: Any = None, stats: Mapping[str, Any] | None = None,
                  guard: Mapping[str, Any] | None = None):
+        if hooks is not None:
+            parse_specs(hooks)  # a misspelt kind or transform argument fails here, not when training starts
         self.hooks = hooks
         self.stats, self.guard, self.options = callback_settings(stats, guard)
         self.watch: Watch | None = None

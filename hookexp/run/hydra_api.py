@@ -122,6 +122,13 @@ def explain_hydra_error(error: BaseException) -> ConfigError | None:
         options = [o.strip() for o in text.rsplit("[", 1)[1].rstrip("]").split(",")]
         return ConfigError(f"{value!r} is not one of its options.{did_you_mean(value, options)} {key} takes one of: "
                            f"{', '.join(options)}.", key=key)
+    given = getattr(cause, "value", None)
+    if "is not a ListConfig, list or tuple" in text:  # types: Conv2d for types: [Conv2d]
+        return ConfigError(f"{given!r} is not a list. {key} takes a list, e.g. {key}=[{given}] ({key}=[] for none).",
+                           key=key)
+    if text.startswith("Cannot assign") and "Dict[" in text:
+        return ConfigError(f"{given!r} is not a mapping. {key} takes a mapping, e.g. {key}={{name:value}} "
+                           "(python -m hookexp --cfg job shows the config).", key=key)
     what, example = next((words for name, words in _TYPE_WORDS.items() if name in text.split()[-1] or
                           f"valid {name}" in text), (None, None))
     if what is None:

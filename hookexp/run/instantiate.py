@@ -10,11 +10,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hydra.utils import get_object
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hookexp.errors import ConfigError, did_you_mean
+from hookexp.engine.bound import import_object
+from hookexp.errors import ConfigError, HookexpError, did_you_mean
 
 log = logging.getLogger("hookexp.build")
 
@@ -29,12 +29,13 @@ def target_of(node: Mapping[str, Any], key: str) -> Callable[..., Any]:
         raise ConfigError(f"needs a '_target_': the dotted path of a class or function to build, e.g. "
                           f"{key}._target_=my_pkg.MyThing.", key=key)
     try:
-        return get_object(path)
-    except Exception as e:
-        cause = e.__cause__ or e
-        raise ConfigError(f"cannot import {path!r} ({type(cause).__name__}: {str(cause).splitlines()[0]}). Give the "
-                          "full dotted path of something importable; your own modules are found from the current "
-                          "directory or PYTHONPATH.", key=f"{key}._target_") from None
+        return import_object(path)
+    except ImportError as e:
+        if isinstance(e, HookexpError):
+            raise
+        raise ConfigError(f"cannot import {path!r}: {e} Give the full dotted path of something importable; your "
+                          "own modules are found from the current directory or PYTHONPATH.", key=f"{key}._target_"
+                          ) from None
 
 
 def parameters_of(fn: Callable[..., Any]) -> tuple[dict[str, inspect.Parameter], bool]:

@@ -28,6 +28,11 @@ RESUMABLE_CHANGES = ("trainer.max_steps", "trainer.epochs", "trainer.progress", 
                      "trainer.stop_when", "hydra.searchpath", "logger.", "resume", "optimized_metric")
 
 
+def resumable_changes() -> str:
+    """:data:`RESUMABLE_CHANGES` as the errors (and docs/runs.md) write them: ``logger.*``, ``resume`` aside."""
+    return ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_CHANGES if k != "resume")
+
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -138,10 +143,10 @@ def resume_overrides(overrides: list[str]) -> list[str]:
     extra = [o for o in overrides if override_key(o) not in ("resume", "hydra.run.dir")]
     refused = [o for o in extra if not override_key(o).startswith(RESUMABLE_CHANGES) and o not in saved]
     if refused:
-        allowed = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_CHANGES[:-1])
         raise RunDirError(f"resume=true continues the run in {run_dir} with the config it was started with "
                           f"({' '.join(saved) or 'the defaults'}); {' '.join(refused)} would change what it computes. "
-                          f"Only {allowed} may change on resume; start a new run for anything else.", key="resume")
+                          f"Only {resumable_changes()} may change on resume; start a new run for anything else.",
+                          key="resume")
     changed = {override_key(o) for o in extra}
     kept = [o for o in saved if override_key(o) not in changed and override_key(o) != "resume"]
     return [*kept, *extra, "resume=true", f"hydra.run.dir={run_dir}"]

@@ -412,7 +412,8 @@ def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
         raise ConfigError(f"unknown model_type {model_type!r}.{did_you_mean(str(model_type), known)} It is one of "
                           "transformers' CONFIG_MAPPING names (gpt2, llama, bert, ...).", key="model.config.model_type")
     cls = transformers.CONFIG_MAPPING[model_type]
-    allowed = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    defaults = cls().to_dict()
+    allowed = set(defaults) | set(getattr(cls, "attribute_map", {}))
     for klass in (cls, transformers.PretrainedConfig):
         allowed |= set(inspect.signature(klass.__init__).parameters) - {"self", "kwargs"}
     allowed |= {"num_labels"}
@@ -427,7 +428,29 @@ def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
         if value == "auto":
             raise ConfigError("is auto, which a hookexp run fills from the data; in Python give a number.",
                               key=f"model.config.{name}")
-    return transformers.AutoConfig.for_model(model_type, **fields)
+        wanted = _field_type(defaults.get(name), value)
+        if wanted:
+            raise ConfigError(f"{cls.__name__} takes {wanted} for {name}, got {value!r}.", key=f"model.config.{name}")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except Exception as e:  # transformers' own validation of a value: its whole message, not its first line
+        raise ConfigError(f"{cls.__name__} refused the config: {type(e).__name__}: {' '.join(str(e).split())}",
+                          key="model.config") from None
+
+
+def _field_type(default: Any, value: Any) -> str | None:
+    """What a transformers config field whose default is a number or a flag takes, when ``value`` is not that
+    (``n_layer=abc``, ``n_embd=64.5``); None when it fits or the default says nothing (None, a string)."""
+    if value is None or default is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        return None if number and isinstance(value, int) else "a whole number"
+    if isinstance(default, float):
+        return None if number else "a number"
+    return None
 
 
 def hf(config: dict[str, Any] | None = None, pretrained: str | None = None, kind: str = "causal_lm") -> nn.Module:

@@ -83,8 +83,13 @@ def test_module_kind_on_parameter_name_and_back():
 
 
 def test_unknown_type_lists_classes():
-    with pytest.raises(TargetError, match=r"hooks\.s\.types: type 'Conv2D' .* Did you mean 'Conv2d'"):
-        attach(SmallCNN(), {"s": {"target": "*", "kind": "forward", "types": ["Conv2D"]}})
+    """The classes a user would write: the models' and torch's public ones (a base class counts: Module), not
+    `object` nor private bases such as _ConvNd."""
+    with pytest.raises(TargetError) as e:
+        attach(SmallCNN(), {"s": {"target": "*", "kind": "forward", "types": ["Conv3d"]}})
+    assert str(e.value) == ("hooks.s.types: type 'Conv3d' is not the class of any module in SmallCNN. Did you mean "
+                            "'Conv2d'? Classes present: Conv2d, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential, "
+                            "SmallCNN.")
 
 
 @pytest.mark.parametrize(
@@ -107,7 +112,10 @@ def test_unknown_type_lists_classes():
         ({"target": "conv1", "kind": "forward", "transform": {"fn": "x"}}, SpecError,
          r"hooks\.s\.transform: a user transform must be a mapping with '_target_'"),
         ({"target": "conv1", "kind": "forward", "transform": {"_target_": "no_such_pkg.fn"}}, SpecError,
-         r"hooks\.s\.transform: cannot import the user transform 'no_such_pkg\.fn'"),
+         r"hooks\.s\.transform: cannot import the user transform 'no_such_pkg\.fn': no module named 'no_such_pkg'\. "),
+        ({"target": "conv1", "kind": "forward", "transform": {"_target_": "torch.nn.functional.reluu"}}, SpecError,
+         r"hooks\.s\.transform: cannot import the user transform 'torch\.nn\.functional\.reluu': module "
+         r"'torch\.nn\.functional' has no attribute 'reluu'\. Did you mean 'relu'"),
         ({"target": "conv1", "kind": "forward", "transform": "clamp"}, TransformArgsError,
          r"hooks\.s\.args: transform 'clamp' needs at least one of 'min' and 'max'"),
         ({"target": "conv1", "kind": "forward", "transform": "clamp", "args": {"mn": 0}}, TransformArgsError,
@@ -122,6 +130,22 @@ def test_unknown_type_lists_classes():
          r"needs exactly one of 'p'"),
         ({"target": "conv1", "kind": "forward", "transform": "quantize", "args": {"step": 0}},
          TransformArgsError, r"needs step > 0"),
+        # a flag given as text is not taken as true; None where the signature takes no None; an int-only argument
+        ({"target": "conv1", "kind": "forward", "transform": "quantize",
+          "args": {"step": 0.1, "straight_through": "no"}}, TransformArgsError,
+         r"hooks\.s\.args\.straight_through: transform 'quantize' takes true or false for 'straight_through', "
+         r"got 'no'\.$"),
+        ({"target": "conv1", "kind": "forward", "transform": "scale", "args": {"factor": None}}, TransformArgsError,
+         r"hooks\.s\.args\.factor: transform 'scale' takes a number for 'factor', got None\.$"),
+        ({"target": "conv1", "kind": "forward", "transform": "record", "args": {"max_records": 2.5}},
+         TransformArgsError, r"hooks\.s\.args\.max_records: transform 'record' takes a whole number for "
+                             r"'max_records', got 2\.5\.$"),
+        # an alias's arguments are named as the user spells them (reverse's lambda, not the Python name lambd)
+        ({"target": "conv1", "kind": "output_grad", "transform": "reverse", "args": {"lambda": None}},
+         TransformArgsError, r"hooks\.s\.args\.lambda: transform 'reverse' takes a number for 'lambda', got None\.$"),
+        ({"target": "conv1", "kind": "output_grad", "transform": "reverse", "args": {"lamda": 1}}, TransformArgsError,
+         r"hooks\.s\.args\.lamda: transform 'reverse' has no argument 'lamda'\. Did you mean 'lambda'\? Its "
+         r"arguments: lambda\.$"),
     ],
 )
 def test_bad_specs_fail_before_attaching(raw, error, pattern):
@@ -139,3 +163,18 @@ def test_list_specs_get_default_names_and_reject_duplicates():
     with pytest.raises(SpecError, match="got a single spec where a mapping of named specs"):
         parse_specs({"target": "conv1", "kind": "forward"})
     assert parse_specs(HookSpec(name="x", target="conv1", kind="forward"))[0].name == "x"
+
+
+def test_a_user_transforms_hints_are_checked_and_a_none_default_allows_none():
+    """``scale: float = None`` (a hint without Optional) takes None, as its default says; ``on: bool`` takes no
+    text. Both checked when the spec is bound, before any hook is attached."""
+    def user(x, ctx, scale: float = None, on: bool = True):  # noqa: RUF013 - the loose hint users write
+        return x * (scale or 1.0)
+
+    model = SmallCNN()
+    with attach(model, {"s": {"target": "fc1", "kind": "forward", "transform": user, "args": {"scale": None}}}):
+        pass
+    with pytest.raises(TransformArgsError, match=r"^hooks\.s\.args\.on: transform '.*user' takes true or false "
+                                                 r"for 'on', got 'false'\.$"):
+        attach(model, {"s": {"target": "fc1", "kind": "forward", "transform": user, "args": {"on": "false"}}})
+    assert all(not m._forward_hooks for m in model.modules())

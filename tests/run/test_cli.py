@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HELPERS, config, read_jsonl, run_cli, wandb_history, wandb_summary
+from docblocks import DOCS, section
 
 from hookexp.errors import ConfigError, HookexpError
 from hookexp.run.loop import run_job as train
@@ -107,6 +108,9 @@ def test_wandb_offline_run_holds_the_same_numbers(clamp_run):
         (["+optim.betas=[0.9,0.99]"], ["hookexp: error: optim.betas: SGD has no parameter 'betas'.",
                                        "Its parameters: lr, momentum, dampening, weight_decay, nesterov,"]),
         (["optim=adamw", "optim.lr=abc"], ["hookexp: error: optim.lr: expected a number, got 'abc'."]),
+        # the module is there, the name is not: said so, with the close names, and no Hydra log line before it
+        (["optim._target_=torch.optim.SDG"], ["hookexp: error: optim._target_: cannot import 'torch.optim.SDG': "
+                                              "module 'torch.optim' has no attribute 'SDG'. Did you mean 'SGD'"]),
     ],
 )
 def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directory(args, expected, workdir):
@@ -116,6 +120,7 @@ def test_bad_config_fails_before_training_with_the_fix_and_leaves_no_run_directo
     for piece in expected:
         assert piece in text, text[-2000:]
     assert "Traceback" not in text and "To append to your config" not in text and "HYDRA_FULL_ERROR" not in text
+    assert "[ERROR]" not in text  # one paragraph: no log line of Hydra's (or anyone's) before it
     assert not (workdir / "run").exists()
 
 
@@ -214,6 +219,42 @@ def test_a_run_directory_holds_one_run_and_resume_recomposes_its_config(workdir)
     summary = json.loads((workdir / "run" / "summary.json").read_text())
     assert summary["trainer/steps"] == 2 and "hook/clamp_conv/calls" not in summary
     assert not (workdir / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["reprot", "multirun/x"], "hookexp: error: 'reprot' is neither a subcommand nor an override (KEY=VALUE, "
+                               "GROUP=OPTION). Did you mean 'report' or 'replay'? Subcommands: report, ablate, replay; "
+                               "python -m hookexp --help lists the config groups and keys.\n"),
+    (["hooks", "clamp_conv"], "hookexp: error: 'hooks' is neither a subcommand nor an override (KEY=VALUE, "
+                              "GROUP=OPTION). Subcommands: report, ablate, replay;"),
+])
+def test_a_first_word_that_is_no_subcommand_nor_override_is_named(argv, expected, monkeypatch, capsys):
+    """Not Hydra's "Error parsing override 'reprot' / missing EQUAL at '<EOF>'" (exit 1): one line, exit 2."""
+    from hookexp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["hookexp", *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(expected)
+
+
+def test_a_refused_resume_lists_what_may_change_as_docs_runs_md_does(tmp_path):
+    """The list names optimized_metric and logger.*, not resume itself; docs/runs.md lists the same keys."""
+    from hookexp.errors import RunDirError
+    from hookexp.run.rundir import resumable_changes, resume_overrides
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- trainer.max_steps=4\n")
+    with pytest.raises(RunDirError) as e:
+        resume_overrides(["resume=true", f"hydra.run.dir={tmp_path}", "optim.lr=0.5"])
+    assert str(e.value).endswith(
+        "optim.lr=0.5 would change what it computes. Only trainer.max_steps, trainer.epochs, trainer.progress, "
+        "trainer.checkpoint_every, trainer.device, trainer.num_threads, trainer.save_records, data.num_workers, "
+        "trainer.stop_when, hydra.searchpath, logger.*, optimized_metric may change on resume; start a new run for "
+        "anything else.")
+    docs = " ".join(section(DOCS / "runs.md", "Checkpoints, resume, the guard").split())
+    assert [k for k in resumable_changes().split(", ") if f"`{k}`" not in docs] == []
 
 
 def test_the_resume_command_an_interrupted_run_prints_works(workdir):

@@ -235,6 +235,23 @@ def test_typos_fail_at_compose(override, pattern):
     assert pattern in str(e.value) + str(e.value.__cause__)
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("hooks.clamp_conv.types=Conv2d", "hooks.clamp_conv.types: 'Conv2d' is not a list. hooks.clamp_conv.types "
+     "takes a list, e.g. hooks.clamp_conv.types=[Conv2d] (hooks.clamp_conv.types=[] for none)."),
+    ("logger.tags=x", "logger.tags: 'x' is not a list. logger.tags takes a list, e.g. logger.tags=[x] (logger.tags=[] "
+     "for none)."),
+    ("hooks.clamp_conv.args=5", "hooks.clamp_conv.args: 5 is not a mapping. hooks.clamp_conv.args takes a mapping, "
+     "e.g. hooks.clamp_conv.args={name:value} (python -m hookexp --cfg job shows the config)."),
+])
+def test_a_value_where_a_list_or_mapping_goes_is_named_with_the_syntax(override, message):
+    """Not OmegaConf's "Invalid value assigned: str is not a ListConfig, list or tuple.." and its type names."""
+    from hookexp.run.hydra_api import explain_hydra_error
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose("config", overrides=["hooks=clamp_conv", override])
+    assert str(explain_hydra_error(e.value)) == message
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_composes_and_passes_the_dry_run(experiment):
     cfg = compose("config", overrides=[f"experiment={experiment}"])
@@ -297,3 +314,31 @@ def test_a_users_model_gets_no_key_of_the_default_model_config(tmp_path, monkeyp
     assert parts.model_config == {"_target_": "tiny.Tiny", "num_classes": 10, "width": 5}
     assert ("model: tiny.Tiny gets only the keys set for it: hidden=64 of the default model config not passed "
             "(set one with ++model.hidden=...)") in caplog.text
+
+
+def test_a_target_that_does_not_import_says_which_part_is_missing(tmp_path, monkeypatch, caplog):
+    """A misspelt class in the user's module is not "no module named 'mine.Nett'": the module imported, the name
+    is missing, with the close names; an error inside the user's module names that module and its cause. Nothing
+    is logged besides the error (Hydra's get_object logs one of its own)."""
+    from hookexp import ConfigError
+    from hookexp.run.instantiate import target_of
+
+    (tmp_path / "mine.py").write_text("class Net:\n    pass\n")
+    (tmp_path / "mine_broken.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fix = " Give the full dotted path of something importable; your own modules are found from the current directory"
+    cases = {
+        "mine.Nett": "module 'mine' has no attribute 'Nett'. Did you mean 'Net'?",
+        "mine_missing.Net": "no module named 'mine_missing'.",
+        "mine_broken.Net": "importing 'mine_broken' raised ModuleNotFoundError: No module named 'no_such_dependency'.",
+        "torch.optim.SDG": "module 'torch.optim' has no attribute 'SDG'. Did you mean 'SGD' or 'ASGD'?",
+        "mine..Net": "'mine..Net' is not a dotted path (pkg.module.name).",
+    }
+    with caplog.at_level("DEBUG"):
+        for path, why in cases.items():
+            with pytest.raises(ConfigError) as e:
+                target_of({"_target_": path}, "model")
+            assert str(e.value).startswith(f"model._target_: cannot import {path!r}: {why}{fix}"), str(e.value)
+    assert caplog.records == []
+    assert target_of({"_target_": "mine.Net"}, "model").__name__ == "Net"
+    assert target_of({"_target_": "xml.dom.minidom.parseString"}, "model").__name__ == "parseString"  # a submodule

@@ -264,6 +264,7 @@ def test_resuming_with_another_config_lists_the_differences(tmp_path):
     assert message.startswith(f"resume: the checkpoint {tmp_path / 'a' / 'checkpoints' / 'last.pt'} was written with "
                               "another config; resuming would mix two runs. Differences: ")
     assert "hooks: {} -> {'clamp_conv': {" in message and "optim.lr: 0.1 -> 0.5" in message
+    assert message.endswith("hydra.searchpath, logger.*, optimized_metric may change), or start a new run.")
     longer = train(config("trainer.max_steps=6", "trainer.checkpoint_every=2", f"resume={tmp_path / 'a'}"),
                    tmp_path / "c")
     assert longer["trainer/steps"] == 6

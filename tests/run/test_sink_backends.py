@@ -106,9 +106,12 @@ def test_an_unknown_logger_target_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as e:
         check_logger(cfg.logger)
     assert e.value.key == "logger._target_"
-    assert str(e.value).startswith("logger._target_: cannot import the logger backend 'hookexp.sinks.Tensorboard' (")
+    assert str(e.value).startswith("logger._target_: cannot import the logger backend 'hookexp.sinks.Tensorboard': "
+                                   "module 'hookexp' has no attribute 'sinks'.")
     assert str(e.value).endswith("Use logger=wandb, logger=tensorboard or logger=none, or the import path of a class "
                                  "that implements hookexp.run.sinks.Sink (local files are always written).")
+    with pytest.raises(ConfigError, match=r"^logger\._target_: 'os\.path\.join' is a function, not a class\. Use "):
+        check_logger(compose("logger._target_=os.path.join").logger)
 
 
 def wandb_runs(run_dir: Path) -> list[Path]:

@@ -244,3 +244,18 @@ def test_ablate_finds_specs_selected_by_an_experiment_and_ignores_sweeps():
     assert not is_sweep("hooks=[clamp_conv,zero_fc_bias]") and not is_sweep("hooks.x.args={min:0,max:1}")
     assert spec_names(["experiment=seed_hooks", "seed=0,1,2", "hydra.sweep.dir=x"]) == ["clamp_conv", "zero_fc_bias"]
     assert spec_names(["hooks=[grad_noise,sign_grad]", "optim.lr=0.1,0.01"]) == ["grad_noise", "sign_grad"]
+
+
+def test_ablate_names_a_misspelt_hook_set_in_one_paragraph(capsys, tmp_path, monkeypatch):
+    """hookexp ablate hooks=[clamp_conv,zero_fc_bais]: hookexp's paragraph with the did-you-mean and exit 2 before any
+    job starts, not Hydra's MissingConfigException traceback."""
+    from hookexp.analysis.ablate import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["hooks=[clamp_conv,zero_fc_bais]", "seed=0,1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hookexp ablate: error: hooks: no option 'zero_fc_bais' (hooks/zero_fc_bais.yaml is in no "
+                          "config folder). Did you mean 'zero_fc_bias'?")
+    assert main(["hooks=clamp_conv", "trainer.epochs=abc"]) == 2
+    assert capsys.readouterr().err.startswith("hookexp ablate: error: trainer.epochs: 'abc' is not a whole number")
+    assert list(tmp_path.iterdir()) == []  # no sweep directory

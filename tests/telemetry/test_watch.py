@@ -3,6 +3,7 @@ transformers.Trainer log the same statistics as the hookexp trainer on the same 
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from pathlib import Path
 
@@ -134,6 +135,22 @@ def test_bad_watch_settings_are_refused_naming_them():
 
         with pytest.raises(ConfigError, match=r"^stats\.activation: unknown setting\. Did you mean 'activations'"):
             HookexpCallback(stats={"activation": "relu*"})
+
+
+@pytest.mark.parametrize("framework", ["lightning", "hf"])
+def test_a_callbacks_hook_specs_are_checked_when_it_is_made(framework):
+    """A misspelt kind or transform argument fails where the callback is made, not once the fit has set up and
+    training starts; the targets, which need the model, are resolved then."""
+    pytest.importorskip("lightning" if framework == "lightning" else "transformers")
+    from hookexp.errors import SpecError, TransformArgsError
+
+    callback = importlib.import_module(f"hookexp.integrations.{framework}").HookexpCallback
+    with pytest.raises(SpecError, match=r"^hooks\.c\.kind: unknown kind 'output_grads'\. Did you mean 'output_grad'"):
+        callback(hooks={"c": {"target": "net.0", "kind": "output_grads", "transform": "clamp", "args": {"min": 0}}})
+    with pytest.raises(TransformArgsError, match=r"^hooks\.c\.args\.mn: transform 'clamp' has no argument 'mn'\. "
+                                                 r"Did you mean 'min'\?"):
+        callback(hooks={"c": {"target": "net.0", "kind": "output_grad", "transform": "clamp", "args": {"mn": 0}}})
+    assert callback(hooks={"c": {"target": "no_such_module", "kind": "forward", "transform": "zero"}}).watch is None
 
 
 def test_a_callbacks_errors_found_on_the_model_name_its_stats_key():

@@ -252,6 +252,13 @@ def test_hf_loads_a_local_folder(tmp_path):
     ({"config": {"model_type": "vit", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "intermediate_size": 16}}, r"^model\.kind: vit has no causal_lm model"),
     ({"config": [1, 2]}, r"^model\.config: must be a mapping"),
+    # a value of the wrong type names its field (not "hf refused its arguments: ... field 'n_layer':.")
+    ({"config": {**TINY, "n_layer": "abc"}}, r"^model\.config\.n_layer: GPT2Config takes a whole number for n_layer, "
+                                             r"got 'abc'\.$"),
+    ({"config": {**TINY, "resid_pdrop": "x"}}, r"^model\.config\.resid_pdrop: GPT2Config takes a number for "
+                                               r"resid_pdrop, got 'x'\.$"),
+    ({"config": {**TINY, "use_cache": "no"}}, r"^model\.config\.use_cache: GPT2Config takes true or false for "
+                                              r"use_cache, got 'no'\.$"),
     ({"config": {**TINY, "model_type": "llama"}},  # model.config.model_type=llama over hf.yaml's GPT-2 fields
      r"^model\.config\.n_layer: LlamaConfig has no field 'n_layer'\. Did you mean 'num_labels' or "
      r"'num_hidden_layers'\? It is one of model=hf's GPT-2 defaults \(conf/model/hf\.yaml\): for a llama model, "

@@ -21,7 +21,7 @@ from hookexp.run.checkpoint.sharded import ShardedFormat
 from hookexp.run.checkpoint.signals import StopSignals
 from hookexp.run.checkpoint.state import LoopState, Stateful
 from hookexp.run.distributed import Dist
-from hookexp.run.rundir import CLI, RESUMABLE_CHANGES, Launch, set_aside
+from hookexp.run.rundir import CLI, Launch, resumable_changes, set_aside
 from hookexp.run.sinks import files_error
 
 log = logging.getLogger("hookexp.checkpoint")
@@ -105,8 +105,8 @@ class Checkpointer(ShardedFormat):
             raise CheckpointError(f"the checkpoint {self.source} was written with another config; resuming would mix "
                                   f"two runs. Differences: {'; '.join(changes[:12])}"
                                   f"{f' (and {len(changes) - 12} more)' if len(changes) > 12 else ''}. Resume with "
-                                  f"the config it was written with (only {', '.join(RESUMABLE_CHANGES[:-2])} and "
-                                  "logger.* may change), or start a new run.", key="resume")
+                                  f"the config it was written with (only {resumable_changes()} may change), or "
+                                  "start a new run.", key="resume")
         return data
 
     def _other_layout(self) -> str:

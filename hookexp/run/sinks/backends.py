@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hookexp.config import LoggerConfig, typed
+from hookexp.engine.bound import import_object
 from hookexp.errors import ConfigError, MissingExtraError
 from hookexp.run.sinks.base import RunInfo, Sink
 from hookexp.run.sinks.wandb import WandbSink
@@ -19,16 +20,17 @@ def backend_class(cfg: Mapping[str, Any]) -> type | None:
     target = cfg.get("_target_")
     if target is None:
         return None
-    from hydra.utils import get_class
-
+    fix = ("Use logger=wandb, logger=tensorboard or logger=none, or the import path of a class that implements "
+           "hookexp.run.sinks.Sink (local files are always written).")
     try:
-        return get_class(str(target))
-    except Exception as e:  # Hydra raises ImportError or ValueError, with its own long message
+        found = import_object(str(target))
+    except ImportError as e:
         if isinstance(e, MissingExtraError):
             raise
-        raise ConfigError(f"cannot import the logger backend {target!r} ({str(e).splitlines()[0]}). Use logger=wandb, "
-                          "logger=tensorboard or logger=none, or the import path of a class that implements "
-                          "hookexp.run.sinks.Sink (local files are always written).", key="logger._target_") from None
+        raise ConfigError(f"cannot import the logger backend {target!r}: {e} {fix}", key="logger._target_") from None
+    if not isinstance(found, type):
+        raise ConfigError(f"{target!r} is a {type(found).__name__}, not a class. {fix}", key="logger._target_")
+    return found
 
 
 def check_logger(cfg: Mapping[str, Any]) -> None:
