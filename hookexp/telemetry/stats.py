@@ -258,7 +258,7 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
     if len(layout.pad_at):
         flat = narrow.view(-1)
         flat.index_put_((layout.pad_at,), flat.index_select(0, layout.pad_src))
-    args = (narrow, layout.row_n, layout.row_pad, layout.pad_weight, layout.width, layout.higher_rows)
+    args = (narrow, (layout.row_n, layout.row_pad, layout.pad_weight), layout.width, layout.higher_rows)
     if layout.compiled:
         out = ROW_KERNEL(*args)
         if out is not None:
@@ -267,15 +267,17 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
     return _rows(*args)
 
 
-def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight: torch.Tensor, w: int, k: int,
+def _rows(narrow: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: int, k: int,
           compiled: bool = False) -> torch.Tensor:
     """The rows' partials: min/max, zeros and negatives of the narrow rows, and of the widened rows the sum of
-    |x|, the mean and the squared deviations from it; the ``p`` copies of each row's first element that pad it are
-    taken out exactly for the counts, and for the moments by Chan's formula, well conditioned since that element is
-    one of the row's. Only the first ``k`` rows get 3rd and 4th powers. Rows with NaN or Inf give non-finite
-    moments; the decoder reads those from min and max. Eager: one widened copy and single passes (Welford's
-    ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``): the mean, then the
-    deviations' powers, which the compiler fuses into two reads of ``narrow`` and no copy."""
+    |x|, the mean and the squared deviations from it. ``counts``: each row's elements, pads ``p`` and pads' weight
+    in its squared deviations (``_Layout``'s ``row_n``, ``row_pad``, ``pad_weight``). The ``p`` copies of each row's
+    first element that pad it are taken out exactly for the counts, and for the moments by Chan's formula, well
+    conditioned since that element is one of the row's. Only the first ``k`` rows get 3rd and 4th powers. Rows
+    with NaN or Inf give non-finite moments; the decoder reads those from min and max. Eager: one widened copy and
+    single passes (Welford's ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``):
+    the mean, then the deviations' powers, which the compiler fuses into two reads of ``narrow`` and no copy."""
+    row_n, p, pad_weight = counts
     first = narrow[:, 0]
     wide = row_n.dtype
     v = first.to(wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy (float64: a view); non-finite: unused
