@@ -115,8 +115,9 @@ class Trainer:
             self.observers = trainer_observers(cfg, parts, self.hooks, self.amp.scaler)
             self.meter, self.guard, self.recorder = (self.observers.named[k] for k in ("meter", "guard", "spike"))
             self.forward = distributed.wrap(parts.model, cfg.trainer, parts.ranks, parts.device)
-            if "gns" in self.observers.named:  # its batch sizes measured outside the compiled graph
-                self.observers.named["gns"].count_calls_of(self.forward)
+            for name in ("gns", "forensics"):  # what they keep per forward, kept outside the compiled graph
+                if name in self.observers.named:
+                    self.observers.named[name].count_calls_of(self.forward)
             self.records = Records(self.hooks, self.run_dir, enabled=main and cfg.trainer.save_records)
             self.local = LocalFiles(self.run_dir) if main else None
             ckpt.track(scheduler=parts.scheduler, scaler=self.amp, hooks=self.hooks, telemetry=self.observers,

@@ -544,8 +544,8 @@ def test_trainer_compile_with_forensics_and_spikes_breaks_no_graph_and_recompile
     torch._dynamo.reset()
     counters.clear()
     guard_failures.clear()
-    summary = train(config("trainer.compile=true", "trainer.max_steps=30", "guard.spike.metric=train/loss"),
-                    tmp_path)
+    summary = train(config(FORENSICS_ON, "trainer.compile=true", "trainer.max_steps=30", "trainer.accumulate=2",
+                           "guard.spike.metric=train/loss"), tmp_path)
     assert summary["status"] == "finished" and dict(counters["graph_break"]) == {}
     reasons = [str(r) for failures in guard_failures.values() for r in failures]
     assert reasons and all("grad_mode" in r or "tensor 'args[0]' size mismatch at index 0" in r for r in reasons)
