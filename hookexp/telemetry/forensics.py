@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -101,7 +101,11 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Forensics(Observer):
-    """The ring buffer and its reading (module docstring), configured by ``config`` (``guard.forensics``)."""
+    """The ring buffer and its reading (module docstring), configured by ``config`` (``guard.forensics``). Its rows
+    go into checkpoints and rollback snapshots: a resumed or rolled-back run ranks a spike against the steps before
+    it, as the uninterrupted run does."""
+
+    optional_state: ClassVar[bool] = True  # checkpoints written before the buffer was kept have none
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: ForensicsConfig | None = None):
@@ -141,6 +145,7 @@ class Forensics(Observer):
         self._missing: torch.Tensor | None = None
         self._plans: dict[tuple[tuple[int, int, int], ...], Any] = {}
         self.reports: list[Report] = []
+        self._saved: dict[str, Any] | None = None  # a checkpoint's rows, taken in once this run's columns are known
 
     # -- recording -----------------------------------------------------------------------------------------
     def _hook(self, index: int) -> Any:
@@ -306,6 +311,8 @@ class Forensics(Observer):
                 return  # the first step took no update: the optimizer state is not known yet
             self._make_layout()
         row = self._row()
+        if self._saved is not None:
+            self._take_saved(row.device)
         if self.buf is None:
             self.buf = torch.full((self.window, row.numel()), MISSING, device=row.device)
         last = (self.pos - 1) % self.window
@@ -460,6 +467,39 @@ class Forensics(Observer):
         """The run went back to ``step``: the rows of the steps from it on describe steps that are undone."""
         self.steps = [s if s < step else -1 for s in self.steps]
         self.committed = True
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rows and the steps they hold, and their columns (left on the device: a rollback snapshot copies
+        them without a host sync; a checkpoint loads them to the CPU)."""
+        if self.buf is None or self.layout is None:
+            return {}
+        return {"buf": self.buf, "steps": list(self.steps), "columns": [[t.name, t.family] for t in self.layout]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's or snapshot's rows, taken in at once if the columns are known, else at the first recorded
+        step (a resumed run's)."""
+        self.committed = True
+        if not state:
+            return
+        self._saved = dict(state)
+        if self.buf is not None:
+            self._take_saved(self.buf.device)
+
+    def _take_saved(self, device: torch.device) -> None:
+        """The saved rows, oldest step first, as this run's ring (the last ``window`` of them), if their columns are
+        this run's (a checkpoint of another model or optimizer: the ring starts empty)."""
+        saved, self._saved = self._saved, None
+        if saved is None or [Series(n, f) for n, f in saved["columns"]] != self.layout:
+            return
+        order = sorted((s, k) for k, s in enumerate(saved["steps"]) if s >= 0)[-self.window:]
+        buf = torch.full((self.window, saved["buf"].shape[1]), MISSING, device=device)
+        if order:
+            rows = torch.tensor([k for _, k in order])
+            buf[:len(order)] = saved["buf"].index_select(0, rows.to(saved["buf"].device)).to(device)
+        self.buf = buf
+        self.steps = [s for s, _ in order] + [-1] * (self.window - len(order))
+        self.pos = len(order) % self.window
 
     def close(self) -> None:
         for h in [*self.handles, *self._bracket]:
