@@ -209,6 +209,7 @@ class Rollback:
             if obj is not None and name in snapshot:  # a copy: optimizer.load_state_dict keeps the tensors it gets
                 obj.load_state_dict(_copy(snapshot[name], False))
         _set_counters(trainer.observers, kept)
+        trainer.observers.reset_after_rollback(restored)  # e.g. an undone step's loss still on its way (CUDA)
         set_rng_state(snapshot["rng"])
         epoch, batch = self._advance((position.epoch, position.batch), skipped)
         loop.step, loop.epoch, loop.batch = position.step, epoch, batch
