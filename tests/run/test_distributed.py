@@ -35,12 +35,13 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def test_two_ranks_stay_in_sync_only_rank_0_writes_and_a_resume_keeps_every_ranks_period(workdir):
     """A checkpoint between log steps (step 10; logs at 0, 4, 8, 11) holds each rank's sums of steps 8 and 9: the
-    run resumed from it into another directory logs exactly what the uninterrupted run logged. The activation
-    statistics describe both ranks' halves of the batch: step 0's are one process's on the whole batch."""
+    run resumed from it into another directory logs exactly what the uninterrupted run logged, the noise scale's
+    moving averages included. The activation statistics describe both ranks' halves of the batch: step 0's are one
+    process's on the whole batch."""
     import pytest
 
     common = ["hooks=clamp_conv", "trainer.max_steps=12", "stats.every=4", "trainer.checkpoint_every=5",
-              "stats.activations=relu*"]
+              "stats.activations=relu*", "stats.gns=true"]
     done = torchrun([*common, "hydra.run.dir=run"], workdir)
     assert done.returncode == 0, done.stderr[-3000:]
     run = workdir / "run"
