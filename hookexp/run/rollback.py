@@ -82,7 +82,7 @@ class Rollback:
         if self.enabled and trainer.parts.ranks.sharded and (self.on_spike or self.on_nonfinite):
             raise ConfigError("rollback is not supported under trainer.strategy=fsdp (snapshots of sharded state). "
                               "Use guard.spike.action=log and guard.nan_policy=skip_step there, or train with ddp.",
-                              key="guard.spike.action")
+                              key="guard.spike.action" if self.on_spike else "guard.nan_policy")
         self.enabled = self.enabled and not trainer.parts.ranks.sharded
         self.snapshots: deque[dict[str, Any]] = deque(maxlen=self.cfg.keep)
         self.positions: dict[int, tuple[int, list[int]]] = {}  # step -> (epoch, batches) since the oldest snapshot
