@@ -222,6 +222,28 @@ def test_under_ddp_every_rank_rolls_back_together_and_the_replicas_stay_in_sync(
     assert steps == list(range(60))
 
 
+def test_compiled_with_forensics_the_run_rolls_back_as_eager_with_no_break_nor_recompile_of_hookexps(runs, tmp_path):
+    """trainer.compile with the eager backend (the same kernels: eager's values exactly), forensics on: the spikes,
+    their forensics onsets and the rollbacks are the eager run's, with no graph break and no recompile from
+    hookexp's hooks across the restores."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters, guard_failures
+
+    import hookexp
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    summary = run(tmp_path / "compiled", *ROLLBACK, "trainer.compile=true", "trainer.compile_backend=eager")
+    eager = json.loads((runs["rollback"] / "summary.json").read_text())
+    assert summary["guard/rollback_events"] == eager["guard/rollback_events"]
+    assert summary["val/loss"] == eager["val/loss"]
+    assert read_jsonl(tmp_path / "compiled" / "spikes.jsonl") == read_jsonl(runs["rollback"] / "spikes.jsonl")
+    assert sum(counters["graph_break"].values()) == 0
+    package = str(Path(hookexp.__file__).resolve().parent)
+    assert [str(r) for failures in guard_failures.values() for r in failures if package in str(r)] == []
+
+
 @pytest.mark.slow
 def test_a_compiled_run_rolls_back_to_the_same_result_as_an_eager_one(runs, tmp_path):
     summary = run(tmp_path / "compiled", *ROLLBACK, "trainer.compile=true", "guard.forensics.window=0")
