@@ -111,6 +111,25 @@ def test_a_users_model_compiled_recompiles_for_no_micro_batch_of_hookexps_hooks(
     assert rows(tmp_path / "run") == rows(tmp_path / "eager")
 
 
+def test_under_ddp_a_sequential_model_is_compiled_not_run_eagerly(tmp_path):
+    """trainer.strategy=ddp (a group of one here; torchrun's ranks alike) with trainer.compile: small_cnn is an
+    nn.Sequential, whose forward, called from DDP's, is no frame Dynamo compiles. It is compiled before DDP wraps it:
+    one graph (and validation's), no graph break, eager's values; before, Dynamo captured nothing of it (or, with
+    forensics or activation statistics on, each hooked module as a graph of its own)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    common = (FORENSICS_ON, "trainer.strategy=ddp", "trainer.max_steps=2", "stats.every=1", "trainer.accumulate=2",
+              "stats.activations=relu*")
+    train(config(*common), tmp_path / "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    train(config(*common, "trainer.compile=true", "trainer.compile_backend=eager"), tmp_path / "run")
+    assert counters["stats"]["unique_graphs"] == 2 and counters["stats"]["calls_captured"] > 0
+    assert sum(counters["graph_break"].values()) == 0
+    assert rows(tmp_path / "run") == rows(tmp_path / "eager")
+
+
 @pytest.mark.slow  # a limit that stays, counted; ./scripts/test.sh -m slow
 @pytest.mark.parametrize(("setting", "breaks"), [
     # the autograd Node of a module's output exists only eagerly; the module backward kinds need compiled autograd
