@@ -309,14 +309,22 @@ def wrap(model: torch.nn.Module, trainer: DictConfig, ranks: Dist, device: torch
     by :func:`shard` when it was built), compiled when asked. Hooks and probes are attached before this, so they
     keep their names and torch.compile sees them."""
     forward: torch.nn.Module = model
-    if ranks.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Under DDP, Dynamo compiles the frame of the model's own forward, called from DDP's forward; the forward of a
+    # torch.nn container (nn.Sequential: small_cnn, mlp) is no frame it compiles, so the model ran eagerly (hooked
+    # modules compiled one by one): such a model is compiled itself, then wrapped
+    compile_inside = trainer.compile and ranks.strategy == "ddp" and \
+        getattr(type(model).forward, "__module__", "").startswith("torch.nn.")
     if trainer.compile:
         warn_pool_gradients(model, trainer, device)
         # Dynamo's caches are the process's: an earlier run's graph of the same model class (a sweep's previous job,
         # traced with other hooks) would pass its guards and run without this run's hooks
         torch._dynamo.reset()
+    if compile_inside:
+        forward = torch.compile(forward, backend=trainer.compile_backend)
+    if ranks.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None)
+    if trainer.compile and not compile_inside:
         forward = torch.compile(forward, backend=trainer.compile_backend)
     return forward

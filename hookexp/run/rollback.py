@@ -82,7 +82,7 @@ class Rollback:
         if self.enabled and trainer.parts.ranks.sharded and (self.on_spike or self.on_nonfinite):
             raise ConfigError("rollback is not supported under trainer.strategy=fsdp (snapshots of sharded state). "
                               "Use guard.spike.action=log and guard.nan_policy=skip_step there, or train with ddp.",
-                              key="guard.spike.action")
+                              key="guard.spike.action" if self.on_spike else "guard.nan_policy")
         self.enabled = self.enabled and not trainer.parts.ranks.sharded
         self.snapshots: deque[dict[str, Any]] = deque(maxlen=self.cfg.keep)
         self.positions: dict[int, tuple[int, list[int]]] = {}  # step -> (epoch, batches) since the oldest snapshot
@@ -209,6 +209,7 @@ class Rollback:
             if obj is not None and name in snapshot:  # a copy: optimizer.load_state_dict keeps the tensors it gets
                 obj.load_state_dict(_copy(snapshot[name], False))
         _set_counters(trainer.observers, kept)
+        trainer.observers.reset_after_rollback(restored)  # e.g. an undone step's loss still on its way (CUDA)
         set_rng_state(snapshot["rng"])
         epoch, batch = self._advance((position.epoch, position.batch), skipped)
         loop.step, loop.epoch, loop.batch = position.step, epoch, batch

@@ -115,8 +115,9 @@ class Trainer:
             self.observers = trainer_observers(cfg, parts, self.hooks, self.amp.scaler)
             self.meter, self.guard, self.recorder = (self.observers.named[k] for k in ("meter", "guard", "spike"))
             self.forward = distributed.wrap(parts.model, cfg.trainer, parts.ranks, parts.device)
-            if "gns" in self.observers.named:  # its batch sizes measured outside the compiled graph
-                self.observers.named["gns"].count_calls_of(self.forward)
+            for name in ("gns", "forensics"):  # what they keep per forward, kept outside the compiled graph
+                if name in self.observers.named:
+                    self.observers.named[name].count_calls_of(self.forward)
             self.records = Records(self.hooks, self.run_dir, enabled=main and cfg.trainer.save_records)
             self.local = LocalFiles(self.run_dir) if main else None
             ckpt.track(scheduler=parts.scheduler, scaler=self.amp, hooks=self.hooks, telemetry=self.observers,
@@ -137,7 +138,6 @@ class Trainer:
             if self.observers is not None:
                 self.observers.close()
             raise
-        self.period: list[dict[str, Any]] = []  # the steps since the last log step and their batches (spikes.jsonl)
         self.flight: tuple[int, Any, dict[str, Any], list[dict[str, Any]]] | None = None  # a log record on its way
         self.late = lands_late(parts, self.recorder, self.rollback)
         self.last_log_time = time.perf_counter()
@@ -246,7 +246,7 @@ class Trainer:
             parts.scheduler.step()
         self.hooks.set_step(loop.step + 1)  # the step the specs' schedules look at next, also after a skipped update
         step, loop.step = loop.step, loop.step + 1
-        self.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
+        loop.period.append({"step": step, "epoch": loop.epoch, "batches": list(range(first_batch, loop.batch))})
         spike = None
         if log_now or self.flight is not None:
             with profiler_range("hookexp/log_step"):  # a log step's ranges: benchmarks/profile_step.py
@@ -267,8 +267,8 @@ class Trainer:
         # rank lands it at the same point and stops after that step
         votes = [(self.parts.ranks.vote(self.ckpt.stops.requested, self.parts.device), self.agree_to_stop)] \
             if self.late and self.parts.ranks.enabled else []
-        self.flight = (step, self.observers.send(*votes), extra, self.period)
-        self.period = []
+        self.flight = (step, self.observers.send(*votes), extra, loop.period)
+        loop.period = []
         return None if self.late else self.land()
 
     def land(self) -> Any:

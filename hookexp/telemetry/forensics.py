@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -101,7 +101,11 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Forensics(Observer):
-    """The ring buffer and its reading (module docstring), configured by ``config`` (``guard.forensics``)."""
+    """The ring buffer and its reading (module docstring), configured by ``config`` (``guard.forensics``). Its rows
+    go into checkpoints and rollback snapshots: a resumed or rolled-back run ranks a spike against the steps before
+    it, as the uninterrupted run does."""
+
+    optional_state: ClassVar[bool] = True  # checkpoints written before the buffer was kept have none
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: ForensicsConfig | None = None):
@@ -113,19 +117,19 @@ class Forensics(Observer):
         self.track_updates = config.updates
         self.modules = [(name, m) for name, m in model.named_modules() if name]
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        # this step: the tensors waiting for the forward's end, the norms of those normed, and per module call
-        # (module index, position of its output's norm, of its input's or -1)
-        self._pending: list[torch.Tensor] = []
+        # this step: the norms and, per module call, (module index, position of its output's norm, of its input's
+        # or -1). The hooks record into lists of their own (the tensors waiting for the forward's end, their norms,
+        # the calls), merged into the step's before the update (_merge); with count_calls_of, anew at each forward
+        # and merged at its end, outside the compiled graph
         self._normed: list[torch.Tensor] = []
-        self._count = 0  # tensors pended this step
-        self._last: torch.Tensor | None = None  # the output of the module whose forward ended last
-        self._last_at = -1  # where its norm is among the step's
         self.calls: list[tuple[int, int, int]] = []
+        self._forward_begin()
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.modules)]
         # an in-place module (ReLU(inplace=True)) overwrites its input: norm what is pending before it runs
         self.handles += [m.register_forward_pre_hook(self._flush) for _, m in self.modules
                          if getattr(m, "inplace", False) is True]
         self.handles.append(model.register_forward_hook(self._forward_end))  # one kernel for all its tensors
+        self._bracket: list[Any] = []  # count_calls_of: the wrapper's hooks that begin and end each forward
         self.layout: list[Series] | None = None  # the buffer's columns, fixed at the first recorded step
         self.out_modules: list[int] = []  # module indices in column order
         self.state_keys: list[str] = []
@@ -141,6 +145,7 @@ class Forensics(Observer):
         self._missing: torch.Tensor | None = None
         self._plans: dict[tuple[tuple[int, int, int], ...], Any] = {}
         self.reports: list[Report] = []
+        self._saved: dict[str, Any] | None = None  # a checkpoint's rows, taken in once this run's columns are known
 
     # -- recording -----------------------------------------------------------------------------------------
     def _hook(self, index: int) -> Any:
@@ -158,10 +163,10 @@ class Forensics(Observer):
                 self._pending.append(inp)
                 at, self._count = self._count, self._count + 1
             if out is self._last and inp is not out:  # a container returning its last child's output: that norm
-                self.calls.append((index, self._last_at, at))  # (an in-place module's output is its input: anew)
+                self._calls.append((index, self._last_at, at))  # (an in-place module's output is its input: anew)
                 return
             self._pending.append(out)
-            self.calls.append((index, self._count, at))
+            self._calls.append((index, self._count, at))
             self._last, self._last_at = out, self._count
             self._count += 1
         return hook
@@ -173,11 +178,40 @@ class Forensics(Observer):
             pending, self._pending = self._pending, []
             with torch.no_grad():
                 norms = _foreach_norms(pending)
-                self._normed.extend(torch._foreach_div(norms, [math.sqrt(max(t.numel(), 1)) for t in pending]))
+                self._fwd_normed.extend(torch._foreach_div(norms, [math.sqrt(max(t.numel(), 1)) for t in pending]))
 
     def _forward_end(self, *args: Any) -> None:
         self._flush()
         self._last = None  # the next forward's first input is no output of this one
+
+    def _forward_begin(self, *args: Any) -> None:
+        """The hooks' lists, new (count_calls_of: a forward begins; what one that never reached its end left is
+        dropped)."""
+        self._pending: list[torch.Tensor] = []  # tensors waiting for the forward's end (or an in-place module)
+        self._fwd_normed: list[torch.Tensor] = []  # their norms
+        self._calls: list[tuple[int, int, int]] = []  # the module calls, positions among the forward's norms
+        self._count = 0  # tensors pended in this forward
+        self._last: torch.Tensor | None = None  # the output of the module whose forward ended last
+        self._last_at = -1  # where its norm is among the forward's
+
+    def _merge(self, *args: Any) -> None:
+        """What the hooks recorded into the step's norms and calls (before the update or a report; count_calls_of: at
+        each forward's end)."""
+        self._flush()
+        if self._calls or self._fwd_normed:
+            offset = len(self._normed)
+            self.calls.extend((i, out + offset, inp + offset if inp >= 0 else -1) for i, out, inp in self._calls)
+            self._normed.extend(self._fwd_normed)
+        self._forward_begin()
+
+    def count_calls_of(self, forward: Any) -> None:
+        """Begin and end each forward on ``forward`` (the DDP or compiled wrapper of the model), outside the compiled
+        graph: each forward's hooks then start from new, empty lists, so that Dynamo's guards on them hold at every
+        micro-batch (recording into the step's lists, a compiled model recompiled for each micro-batch of
+        trainer.accumulate, and past torch's recompile limit ran eagerly)."""
+        if isinstance(forward, nn.Module) and forward is not self.model and not self._bracket:
+            self._bracket = [forward.register_forward_pre_hook(self._forward_begin),
+                             forward.register_forward_hook(self._merge)]
 
     def missing(self, device: torch.device) -> torch.Tensor:
         if self._missing is None or self._missing.device != device:
@@ -187,8 +221,8 @@ class Forensics(Observer):
     def start(self, step: int, log: bool) -> None:
         if not self.committed:
             self._commit()  # the previous step ran no update (skipped): keep what it recorded
-        self.calls, self._pending, self._normed, self._count, self._last = [], [], [], 0, None
-        self._last_at = -1
+        self.calls, self._normed = [], []
+        self._forward_begin()
         self.step, self.committed, self._grads, self._after = step, False, None, None
 
     def _grad_norms(self) -> None:
@@ -201,7 +235,7 @@ class Forensics(Observer):
         self._grads = present
 
     def before_update(self) -> None:
-        self._flush()
+        self._merge()
         if not self.params:
             return
         self._grad_norms()
@@ -269,7 +303,7 @@ class Forensics(Observer):
         """This step's row into the ring buffer (before the update, or without one: the after-update families
         are MISSING)."""
         self.committed = True
-        self._flush()
+        self._merge()
         if not self.params and not self.calls:
             return
         if self.layout is None:
@@ -277,6 +311,8 @@ class Forensics(Observer):
                 return  # the first step took no update: the optimizer state is not known yet
             self._make_layout()
         row = self._row()
+        if self._saved is not None:
+            self._take_saved(row.device)
         if self.buf is None:
             self.buf = torch.full((self.window, row.numel()), MISSING, device=row.device)
         last = (self.pos - 1) % self.window
@@ -406,7 +442,7 @@ class Forensics(Observer):
 
     def _first_step(self, step: int, reason: str) -> Report:
         """Nothing recorded yet (the first step went wrong): this step's non-finite module outputs alone."""
-        self._flush()
+        self._merge()
         ranked: list[dict[str, Any]] = []
         seen: set[int] = set()
         for i, out, inp in self.calls:
@@ -432,10 +468,44 @@ class Forensics(Observer):
         self.steps = [s if s < step else -1 for s in self.steps]
         self.committed = True
 
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rows and the steps they hold, and their columns (left on the device: a rollback snapshot copies
+        them without a host sync; a checkpoint loads them to the CPU)."""
+        if self.buf is None or self.layout is None:
+            return {}
+        return {"buf": self.buf, "steps": list(self.steps), "columns": [[t.name, t.family] for t in self.layout]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's or snapshot's rows, taken in at once if the columns are known, else at the first recorded
+        step (a resumed run's)."""
+        self.committed = True
+        if not state:
+            return
+        self._saved = dict(state)
+        if self.buf is not None:
+            self._take_saved(self.buf.device)
+
+    def _take_saved(self, device: torch.device) -> None:
+        """The saved rows, oldest step first, as this run's ring (the last ``window`` of them), if their columns are
+        this run's (a checkpoint of another model or optimizer: the ring starts empty)."""
+        saved, self._saved = self._saved, None
+        if saved is None or [Series(n, f) for n, f in saved["columns"]] != self.layout:
+            return
+        order = sorted((s, k) for k, s in enumerate(saved["steps"]) if s >= 0)[-self.window:]
+        buf = torch.full((self.window, saved["buf"].shape[1]), MISSING, device=device)
+        if order:
+            rows = torch.tensor([k for _, k in order])
+            buf[:len(order)] = saved["buf"].index_select(0, rows.to(saved["buf"].device)).to(device)
+        self.buf = buf
+        self.steps = [s for s, _ in order] + [-1] * (self.window - len(order))
+        self.pos = len(order) % self.window
+
     def close(self) -> None:
-        for h in self.handles:
+        for h in [*self.handles, *self._bracket]:
             h.remove()
         self.handles.clear()
+        self._bracket.clear()
         self._before = None
 
 

@@ -58,6 +58,10 @@ class Observer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (a resumed run)."""
 
+    def reset_after_rollback(self, step: int) -> None:
+        """A rollback restored the state before step ``step`` (:meth:`load_state_dict` of its snapshot): drop what
+        still describes the undone steps (values on their way to the host)."""
+
     def summary(self) -> dict[str, Any]:
         """Entries for the run's summary.json."""
         return {}
@@ -140,6 +144,10 @@ class Observers:
                 o.load_state_dict(state[name])
             elif o.state_dict() and not o.optional_state:
                 raise KeyError(name)
+
+    def reset_after_rollback(self, step: int) -> None:
+        for o in self:
+            o.reset_after_rollback(step)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

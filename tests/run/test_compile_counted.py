@@ -1,8 +1,9 @@
 """Every observer under ``torch.compile``, counted with Dynamo's own counters (no clock): a compiled run with the
 shipped gradient statistics, the activation statistics, the noise scale, the spike recorder, the guard and a hook
-spec of each kind that compiles, across log steps, validation and a checkpoint, breaks no graph, recompiles no frame
-because of hookexp's code, and logs what the eager run logs. Forensics (on by default) is left out here:
-``guard.forensics.window=0``. What cannot compile is counted in the slow test at the end."""
+spec of each kind that compiles, and forensics (on by default), across log steps, validation and a checkpoint, with
+two micro-batches a step, breaks no graph, recompiles no frame because of hookexp's code, and logs what the eager run
+logs; the same on a model whose own forward Dynamo compiles, its hooks outside. What cannot compile is counted in the
+slow test at the end."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import config
+from conftest import FORENSICS_ON, config
 
 import hookexp
 from hookexp.run.loop import run_job as train
@@ -28,9 +29,9 @@ COMPILED_KINDS = {
     "post_accumulate": ("fc1.weight", "scale", "{factor:1.0}", "every:1"),
     "pre_step": ("fc2.weight", "clamp", "{min:-1.0,max:1.0}", "every:1"),
 }
-RUN = ("trainer.max_steps=7", "stats.every=3", "trainer.eval_every=4", "trainer.checkpoint_every=4", "stats.gns=true",
-       "trainer.accumulate=2", "guard.spike.metric=train/loss", "stats.activations=relu*", "stats.hist_bins=8",
-       "stats.compile=true")  # the statistics' own kernel compiled, as on CUDA by default
+RUN = (FORENSICS_ON, "trainer.max_steps=7", "stats.every=3", "trainer.eval_every=4", "trainer.checkpoint_every=4",
+       "stats.gns=true", "trainer.accumulate=2", "guard.spike.metric=train/loss", "stats.activations=relu*",
+       "stats.hist_bins=8", "stats.compile=true")  # the statistics' own kernel compiled, as on CUDA by default
 
 
 def specs(kinds: dict[str, tuple[str, str, str, str]]) -> list[str]:
@@ -89,6 +90,48 @@ def test_a_compiled_run_with_every_observer_breaks_no_graph_recompiles_nothing_a
         "forward_pre": 10, "forward": 8, "output_grad": 10, "grad": 14, "post_accumulate": 14, "pre_step": 7}
     assert first["hook/h_forward/frac_changed"] > 0 and first["hook/h_output_grad/change_norm"] > 0
     assert "hook/h_forward_pre/change_norm" not in first and logged[1]["hook/h_forward_pre/change_norm"] > 0
+
+
+def test_a_users_model_compiled_recompiles_for_no_micro_batch_of_hookexps_hooks(tmp_path):
+    """A user's model (tests/helpers/user_models.py): torch.compile compiles its own forward and runs the model's
+    hooks outside it (forensics' end of a forward is a frame of its own). Each micro-batch meets the same state of
+    hookexp's hooks, so no guard on it fails: before, each of trainer.accumulate's micro-batches recompiled, and past
+    torch's recompile limit (8) the model ran eagerly."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters, guard_failures
+
+    common = (FORENSICS_ON, "model._target_=user_models.Net", "trainer.max_steps=2", "stats.every=1",
+              "trainer.accumulate=3", "data.batch_size=16", "guard.spike.metric=train/loss", "stats.gns=true",
+              "stats.activations=blocks.*")
+    train(config(*common), tmp_path / "eager", list(common))
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    compiled = (*common, "trainer.compile=true", "trainer.compile_backend=eager")
+    train(config(*compiled), tmp_path / "run", list(compiled))
+    reasons = [str(r) for failures in guard_failures.values() for r in failures]
+    assert [r for r in reasons if PACKAGE in r] == []
+    assert sum(counters["graph_break"].values()) == 0
+    assert rows(tmp_path / "run") == rows(tmp_path / "eager")
+
+
+def test_under_ddp_a_sequential_model_is_compiled_not_run_eagerly(tmp_path):
+    """trainer.strategy=ddp (a group of one here; torchrun's ranks alike) with trainer.compile: small_cnn is an
+    nn.Sequential, whose forward, called from DDP's, is no frame Dynamo compiles. It is compiled before DDP wraps it:
+    one graph (and validation's), no graph break, eager's values; before, Dynamo captured nothing of it (or, with
+    forensics or activation statistics on, each hooked module as a graph of its own)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    common = (FORENSICS_ON, "trainer.strategy=ddp", "trainer.max_steps=2", "stats.every=1", "trainer.accumulate=2",
+              "stats.activations=relu*")
+    train(config(*common), tmp_path / "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    train(config(*common, "trainer.compile=true", "trainer.compile_backend=eager"), tmp_path / "run")
+    assert counters["stats"]["unique_graphs"] == 2 and counters["stats"]["calls_captured"] > 0
+    assert sum(counters["graph_break"].values()) == 0
+    assert rows(tmp_path / "run") == rows(tmp_path / "eager")
 
 
 @pytest.mark.slow  # a limit that stays, counted; ./scripts/test.sh -m slow

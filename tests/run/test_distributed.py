@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from conftest import helpers_path, read_jsonl
+from conftest import config, helpers_path, read_jsonl
 from hydra import compose, initialize_config_module
 
 from hookexp.run.build import build
 from hookexp.run.distributed import Dist
 from hookexp.run.loaders import EpochSampler
+from hookexp.run.loop import run_job as train
 
 SPECS = ["+hooks.local={target:fc2.bias,kind:grad,transform:record}",
          "+hooks.averaged={target:fc2.bias,kind:pre_step,transform:record}"]
@@ -34,8 +35,13 @@ def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def test_two_ranks_stay_in_sync_only_rank_0_writes_and_a_resume_keeps_every_ranks_period(workdir):
     """A checkpoint between log steps (step 10; logs at 0, 4, 8, 11) holds each rank's sums of steps 8 and 9: the
-    run resumed from it into another directory logs exactly what the uninterrupted run logged."""
-    common = ["hooks=clamp_conv", "trainer.max_steps=12", "stats.every=4", "trainer.checkpoint_every=5"]
+    run resumed from it into another directory logs exactly what the uninterrupted run logged, the noise scale's
+    moving averages included. The activation statistics describe both ranks' halves of the batch: step 0's are one
+    process's on the whole batch."""
+    import pytest
+
+    common = ["hooks=clamp_conv", "trainer.max_steps=12", "stats.every=4", "trainer.checkpoint_every=5",
+              "stats.activations=relu*", "stats.gns=true"]
     done = torchrun([*common, "hydra.run.dir=run"], workdir)
     assert done.returncode == 0, done.stderr[-3000:]
     run = workdir / "run"
@@ -53,6 +59,13 @@ def test_two_ranks_stay_in_sync_only_rank_0_writes_and_a_resume_keeps_every_rank
         return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_jsonl(path)]
 
     assert rows(workdir / "fork" / "metrics.jsonl") == rows(run / "metrics.jsonl")
+
+    one = workdir / "one"  # one process, the two ranks' batches of 64 as one of 128 (rank r takes every other index)
+    train(config("hooks=clamp_conv", "trainer.max_steps=1", "stats.activations=relu*", "data.batch_size=128"), one)
+    (first, *_), (alone, *_) = read_jsonl(run / "metrics.jsonl"), read_jsonl(one / "metrics.jsonl")
+    activations = sorted(k for k in alone if k.startswith("act/"))
+    assert len(activations) == 3 * 5 and sorted(k for k in first if k.startswith("act/")) == activations
+    assert {k: first[k] for k in activations} == pytest.approx({k: alone[k] for k in activations}, rel=1e-6)
 
 
 def test_an_interrupted_torchrun_prints_its_command_once_and_other_ranks_leave_no_directory(workdir):

@@ -236,6 +236,20 @@ def test_fsdp_in_one_process_checkpoints_a_sharded_directory_and_resumes_exactly
                                                                                  "metrics.jsonl")
 
 
+@pytest.mark.parametrize("policy", ["guard.spike.action=rollback", "guard.nan_policy=rollback"])
+def test_rollback_is_refused_under_fsdp_with_the_settings_that_work(tmp_path, policy):
+    """A rollback snapshot holds the whole state in host memory, which sharded state is not: refused before any
+    step, in one paragraph naming the key that asked for it (nan_policy's was named guard.spike.action) and what
+    works under FSDP."""
+    with pytest.raises(ConfigError) as e:
+        train(config(*GPT, *FSDP, f"data.path={text(tmp_path)}", "data.batch_size=4", "trainer.max_steps=2",
+                     "guard.spike.metric=train/loss", policy), tmp_path / "run")
+    assert str(e.value) == (
+        f"{policy.split('=')[0]}: rollback is not supported under trainer.strategy=fsdp (snapshots of sharded state). "
+        "Use guard.spike.action=log and guard.nan_policy=skip_step there, or train with ddp.")
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fsdp_trains_in_mixed_precision(tmp_path, precision):
     """Gathered parameters in bf16/fp16, gradients reduced in float32; fp16's GradScaler on sharded gradients."""

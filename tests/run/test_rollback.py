@@ -130,6 +130,35 @@ def test_sigkill_after_a_rollback_then_resume_equals_the_uninterrupted_run(tmp_p
     assert sb["guard/skipped"] == POISONED
 
 
+def test_a_loss_of_an_undone_step_landing_after_the_rollback_is_not_judged(runs, tmp_path, monkeypatch):
+    """On CUDA a step's loss reaches the host a step later (here forced on the CPU): when the run rolls back, the
+    loss of the last undone step is still on its way. It describes a step that no longer exists: dropped, the run
+    rolls back as when read at once (before, it was judged after the restore, a second spike that rolled back again
+    and skipped the clean batch 25)."""
+    from hookexp.telemetry.spike import Deferred
+
+    class Landed:  # a CUDA event whose copy is done once the next step's values were sent
+        def __init__(self, deferred: Deferred):
+            self.deferred, self.sent = deferred, deferred.sent
+
+        def query(self) -> bool:
+            return self.deferred.sent > self.sent
+
+        def synchronize(self) -> None:
+            pass
+
+    def put(self, step, values):
+        self.sent = getattr(self, "sent", 0) + 1
+        self.waiting.append((step, values.detach().reshape(-1), Landed(self)))
+
+    monkeypatch.setattr(Deferred, "put", put)
+    summary = run(tmp_path / "late", *ROLLBACK)
+    at_once = json.loads((runs["rollback"] / "summary.json").read_text())
+    assert summary["guard/skipped"] == POISONED and summary["guard/rollbacks"] == 2
+    assert summary["guard/rollback_events"] == at_once["guard/rollback_events"]
+    assert summary["val/loss"] == at_once["val/loss"]
+
+
 def test_a_non_finite_step_rolls_back_and_skips_its_batch(tmp_path):
     """Batch 30's inputs overflow to inf: the guard skips that update and the run rolls back to step 30's snapshot."""
     summary = run(tmp_path / "nan", "guard.nan_policy=rollback", "guard.rollback.every=5", "data.dataset.poison=[30]",
@@ -191,6 +220,28 @@ def test_under_ddp_every_rank_rolls_back_together_and_the_replicas_stay_in_sync(
     assert summary["guard/skipped"] == POISONED and summary["guard/rollbacks"] == 2  # each rank streams every batch
     steps = [r["trainer/step"] for r in read_jsonl(tmp_path / "ddp" / "metrics.jsonl") if "train/loss" in r]
     assert steps == list(range(60))
+
+
+def test_compiled_with_forensics_the_run_rolls_back_as_eager_with_no_break_nor_recompile_of_hookexps(runs, tmp_path):
+    """trainer.compile with the eager backend (the same kernels: eager's values exactly), forensics on: the spikes,
+    their forensics onsets and the rollbacks are the eager run's, with no graph break and no recompile from
+    hookexp's hooks across the restores."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters, guard_failures
+
+    import hookexp
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    summary = run(tmp_path / "compiled", *ROLLBACK, "trainer.compile=true", "trainer.compile_backend=eager")
+    eager = json.loads((runs["rollback"] / "summary.json").read_text())
+    assert summary["guard/rollback_events"] == eager["guard/rollback_events"]
+    assert summary["val/loss"] == eager["val/loss"]
+    assert read_jsonl(tmp_path / "compiled" / "spikes.jsonl") == read_jsonl(runs["rollback"] / "spikes.jsonl")
+    assert sum(counters["graph_break"].values()) == 0
+    package = str(Path(hookexp.__file__).resolve().parent)
+    assert [str(r) for failures in guard_failures.values() for r in failures if package in str(r)] == []
 
 
 @pytest.mark.slow

@@ -460,6 +460,42 @@ def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a
         "model.num_classes=<value>.")
 
 
+# a spec of every kind on a user's model (tests/helpers/user_models.py), each changing nothing (scale by 1)
+USER_MODEL_KINDS = {"forward_pre": "blocks.0", "forward": "blocks.1.lin", "output_grad": "blocks.0.act",
+                    "backward_pre": "norm", "backward": "blocks.1.lin", "backward_legacy": "head", "node": "embed",
+                    "node_pre": "blocks.0.lin", "grad": "embed.weight", "post_accumulate": "head.weight",
+                    "pre_step": "norm.weight"}
+
+
+def test_a_users_model_takes_a_spec_of_every_kind_and_trains_as_without_them(tmp_path: Path):
+    """model._target_=user_models.Net (a ModuleList of blocks called with a keyword argument) at the defaults
+    (stats.every=10, forensics on): every kind attaches by the user's module and parameter names, acts on each step
+    and logs its effects on the log steps, and, changing nothing, leaves training as it is without hooks."""
+    from conftest import FORENSICS_ON
+
+    common = ["model._target_=user_models.Net", FORENSICS_ON, "trainer.max_steps=12", "stats.activations=blocks.*",
+              "stats.params=*", "guard.spike.metric=train/loss"]
+    specs = [f"+hooks.{kind}={{target:{target},kind:{kind},transform:scale,args:{{factor:1.0}}}}"
+             for kind, target in USER_MODEL_KINDS.items()]
+    bare = train(config(*common), tmp_path / "bare", common)
+    with pytest.warns(FutureWarning, match="kind .backward_legacy. uses the deprecated"):
+        hooked = train(config(*common, *specs), tmp_path / "hooked", [*common, *specs])
+    assert hooked["status"] == "finished"
+    assert {kind: hooked[f"hook/{kind}/calls"] for kind in USER_MODEL_KINDS} == dict.fromkeys(USER_MODEL_KINDS, 12)
+    logged = rows_with(tmp_path / "hooked" / "metrics.jsonl", "train/loss")
+    assert [r["trainer/step"] for r in logged] == [0, 10, 11]
+    assert all(r[f"hook/{kind}/change_norm"] == 0.0 and r[f"hook/{kind}/cosine"] == pytest.approx(1.0)
+               for r in logged for kind in USER_MODEL_KINDS)
+    assert {"act/blocks.0/std", "act/blocks.1.act/frac_zero", "param/blocks.1.lin.weight/norm"} <= set(logged[0])
+
+    def kept(path: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k.startswith(("train/", "val/", "grad/", "act/", "param/"))}
+                for r in read_jsonl(path)]
+
+    assert kept(tmp_path / "hooked" / "metrics.jsonl") == kept(tmp_path / "bare" / "metrics.jsonl")
+    assert hooked["val/loss"] == bare["val/loss"]
+
+
 def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path: Path, caplog):
     """model=mlp (input_dim, output_dim: auto): one example's input gives input_dim, the labels
     output_dim, said in the log; the built model is the one those sizes make."""

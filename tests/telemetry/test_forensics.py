@@ -457,6 +457,22 @@ def test_a_cause_between_log_steps_at_the_default_cadence_is_first(tmp_path: Pat
     assert logged[:4] == [0, 10, 20, spiked + 1]  # then every step of the spike's window
 
 
+def test_a_run_resumed_a_few_steps_before_a_spike_writes_the_uninterrupted_runs_row(tmp_path: Path):
+    """The ring buffer and the steps since the last log step go into the checkpoint: stopped after step 21 and
+    resumed, the run ranks the spike at step 25 against the steps before the stop and lists them in its row, as the
+    uninterrupted run does (before: "first" was empty, the onset None, and step 21 was missing from "steps")."""
+    stop = "+hooks.stop={target:'',kind:forward,transform:{_target_:user_transforms.signal_at,step:%d}}"
+    common = ["model=mlp", FORENSICS_ON, "trainer.max_steps=27", "guard.spike.metric=train/loss",
+              injected("fc3", "forward", 50, 1)]
+    train(config(*common, stop % 10_000), tmp_path / "straight")
+    assert train(config(*common, stop % 21), tmp_path / "cut")["status"] == "interrupted"
+    assert train(config(*common, stop % 21, "resume=true"), tmp_path / "cut")["status"] == "finished"
+    straight, resumed = (the_spike(tmp_path / name) for name in ("straight", "cut"))
+    assert resumed == straight
+    assert (straight["onset"], straight["first"][0]["target"]) == (BETWEEN, "fc3")
+    assert [s["step"] for s in straight["steps"]] == list(range(21, BETWEEN + 2))
+
+
 @pytest.mark.parametrize("target", ["blocks.0.attn.qkv", "blocks.1.mlp.fc"])
 def test_watch_names_a_gpt_block_layer_scaled_for_a_step(target: str):
     """Inside a pre-norm GPT a x50 output moves the loss little (the layer norms): no spike, but forensics'
@@ -544,8 +560,8 @@ def test_trainer_compile_with_forensics_and_spikes_breaks_no_graph_and_recompile
     torch._dynamo.reset()
     counters.clear()
     guard_failures.clear()
-    summary = train(config("trainer.compile=true", "trainer.max_steps=30", "guard.spike.metric=train/loss"),
-                    tmp_path)
+    summary = train(config(FORENSICS_ON, "trainer.compile=true", "trainer.max_steps=30", "trainer.accumulate=2",
+                           "guard.spike.metric=train/loss"), tmp_path)
     assert summary["status"] == "finished" and dict(counters["graph_break"]) == {}
     reasons = [str(r) for failures in guard_failures.values() for r in failures]
     assert reasons and all("grad_mode" in r or "tensor 'args[0]' size mismatch at index 0" in r for r in reasons)

@@ -3,7 +3,7 @@ position (:class:`LoopState`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -23,3 +23,5 @@ class LoopState:
     last_log_step: int = 0  # the first step of the current log period
     evaluated: int = -1  # the last step after which validation ran
     train_s: float = 0.0  # seconds spent in training steps (validation and start-up aside)
+    # the steps since the last log step and their batches: what a spike's row in spikes.jsonl lists
+    period: list[dict[str, Any]] = field(default_factory=list)
