@@ -67,6 +67,11 @@ IGNORED_OVERRIDES = ("seed=", "hydra.", "logger.group=", "logger.name=", "traine
 WIDTH_KEYS = ("model.width", "model.d_model")
 
 
+def many(n: int, noun: str) -> str:
+    """``1 group``, ``3 groups``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def parse_reach(texts: Iterable[str | Reach]) -> list[Reach]:
     """``--reach`` values, each one target or a comma-separated list of them."""
     out: list[Reach] = []
@@ -320,7 +325,7 @@ def report(roots: list[Path], out_dir: Path | None = None, metrics: tuple[str, .
     out_dir = _prepare_out(Path(out_dir) if out_dir is not None else roots[0])
 
     text = [f"# hookexp report: {', '.join(map(str, roots))}", "",
-            f"{len(finished)} finished jobs in {len(groups)} groups (overrides minus the seed); "
+            f"{many(len(finished), 'finished job')} in {many(len(groups), 'group')} (overrides minus the seed); "
             "final and best metrics, mean ± std over the group's jobs."]
     if common:
         text += ["", "Common to every job: `" + " ".join(sorted(common)) + "`"]
@@ -358,7 +363,8 @@ def plot(groups: list[Group], out: Path, curves: tuple[str, ...] = CURVES, logx:
     n = {len(g.jobs) for g in groups}
     spread = "one job per group" if n == {1} else "band: spread over each group's jobs (seeds)"
     fig, panels = curves_figure(data, logx=logx, thresholds={t.metric: t.value for t in reach},
-                                title=f"{sum(map(len, (g.jobs for g in groups)))} jobs in {len(groups)} groups; "
+                                title=f"{many(sum(map(len, (g.jobs for g in groups))), 'job')} in "
+                                f"{many(len(groups), 'group')}; "
                                 f"{spread}")
     save(fig, out)
     return panels
@@ -451,7 +457,8 @@ def coord_check(roots: list[Path], out_dir: Path | None = None, width_keys: Sequ
     out_dir = _prepare_out(Path(out_dir) if out_dir is not None else roots[0])
 
     text = [f"# hookexp coordinate check: {', '.join(map(str, roots))}", "",
-            f"{len(used)} finished jobs in {len(groups)} groups (overrides minus the width and the seed). Mean |x| "
+            f"{many(len(used), 'finished job')} in {many(len(groups), 'group')} (overrides minus the width and the "
+            "seed). Mean |x| "
             "of each layer's output (`act/<layer>/abs_mean`), averaged over the group's seeds; slope: least squares "
             "of log(mean |x|) on log(width) at the group's last step (0: flat, as under µP; 1: grows like the "
             "width)."]

@@ -68,8 +68,12 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cpu")
     try:
         device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"{e}. Use auto, cpu, cuda, cuda:N or mps.", key="trainer.device") from None
+    except RuntimeError:
+        kind = str(name).split(":", 1)[0]
+        hint = " (a GPU is cuda here)." if kind.lower() in ("gpu", "nvidia", "rocm") else "." + did_you_mean(
+            kind, ["auto", "cpu", "cuda", "mps"])
+        raise ConfigError(f"{name!r} is not a device hookexp trains on{hint} Use auto, cpu, cuda, cuda:N or mps.",
+                          key="trainer.device") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("CUDA is not available on this machine. Use trainer.device=auto or cpu.",
                           key="trainer.device")

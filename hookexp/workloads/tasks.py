@@ -313,7 +313,10 @@ class CausalLM(Task):
         logits = logits_of(output, self.name)
         if logits.dim() != 3:
             raise ConfigError(f"task 'causal_lm' needs logits of shape [batch, length, vocab], got "
-                              f"{tuple(logits.shape)}.", key="task")
+                              f"{tuple(logits.shape)}: the model predicts one vector per example, not a token per "
+                              "position. Train a language model on text (model=gpt data=text_file "
+                              "data.path=FILE), or use task=classification for this model and data.",
+                              key="task")
         labels = self.labels(batch)
         return logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1)
 

@@ -67,6 +67,15 @@ def make_sweep(root: Path, sweep: dict = SWEEP, common: tuple[str, ...] = ("trai
     return root
 
 
+def test_the_header_counts_jobs_and_groups_in_words(tmp_path, capsys):
+    """8 jobs in 3 groups; one group's sweep says "1 group", not "1 groups"."""
+    main([str(make_sweep(tmp_path / "sweep"))])
+    assert "8 finished jobs in 3 groups (overrides minus the seed)" in capsys.readouterr().out
+    one = {k: v for k, v in SWEEP.items() if k[0] == "hooks=ema"}
+    main([str(make_sweep(tmp_path / "one", one))])
+    assert "3 finished jobs in 1 group (overrides minus the seed)" in capsys.readouterr().out
+
+
 def test_steps_to_reach_per_job_and_per_group(tmp_path, capsys):
     sweep = make_sweep(tmp_path / "sweep")
     main([str(sweep), "--reach", "val/acc=0.95"])

@@ -139,7 +139,9 @@ def test_a_start_that_fails_while_building_prints_no_run_directory_and_leaves_no
     (workdir / "mine").mkdir()
     done = run_cli(["task=causal_lm", "logger=none", "hydra.run.dir=mine/a/b"], workdir)  # fails after the data
     assert done.returncode == 2 and "run directory" not in done.stdout + done.stderr
-    assert ("hookexp: error: task: task 'causal_lm' needs logits of shape [batch, length, vocab], got (64, 10)."
+    assert ("hookexp: error: task: task 'causal_lm' needs logits of shape [batch, length, vocab], got (64, 10): the "
+            "model predicts one vector per example, not a token per position. Train a language model on text "
+            "(model=gpt data=text_file data.path=FILE), or use task=classification for this model and data."
             in done.stderr)
     assert "Traceback" not in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr
     assert list((workdir / "mine").iterdir()) == []  # the folders it made are gone, the user's own stays

@@ -313,6 +313,18 @@ def test_eval_every_adds_validation_between_epochs(tmp_path: Path):
     assert [r["trainer/step"] for r in rows_with(tmp_path / "metrics.jsonl", "val/acc")] == [9, 19, 22, 29, 39, 45]
 
 
+@pytest.mark.parametrize(("name", "hint"), [("gpu", " (a GPU is cuda here)."),
+                                            ("cdua", ". Did you mean 'cuda' or 'cpu'?")])
+def test_a_device_torch_does_not_know_is_named_with_the_one_meant(name, hint):
+    """torch's own message lists twenty device types (ipu, fpga, ...); hookexp names the one a user meant."""
+    from hookexp.run.build import pick_device
+
+    with pytest.raises(ConfigError) as e:
+        pick_device(name)
+    assert str(e.value) == (f"trainer.device: '{name}' is not a device hookexp trains on{hint} Use auto, cpu, "
+                            "cuda, cuda:N or mps.")
+
+
 def test_a_cuda_index_the_machine_lacks_is_refused_with_the_devices_it_has(monkeypatch: pytest.MonkeyPatch):
     from hookexp.run.build import pick_device
 
