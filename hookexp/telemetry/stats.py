@@ -274,8 +274,10 @@ def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight
     taken out exactly for the counts, and for the moments by Chan's formula, well conditioned since that element is
     one of the row's. Only the first ``k`` rows get 3rd and 4th powers. Rows with NaN or Inf give non-finite
     moments; the decoder reads those from min and max. Eager: one widened copy and single passes (Welford's
-    ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``): the mean, then the
-    deviations' powers, which the compiler fuses into two reads of ``narrow`` and no copy."""
+    ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``): the mean as the first
+    element plus the mean deviation from it (the pads' deviations are exactly 0, so a row of one value has that
+    mean and no spread), then the deviations' powers, which the compiler fuses into two reads of ``narrow`` and no
+    copy."""
     first = narrow[:, 0]
     wide = row_n.dtype
     v = first.to(wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy (float64: a view); non-finite: unused
@@ -286,7 +288,7 @@ def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight
     absolute = torch.linalg.vector_norm(x, 1, dim=1).sub_(p * v.abs())
     cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
     if compiled:
-        mean = (x.sum(1) - p * v) / row_n  # the real elements' mean
+        mean = v + (x - v[:, None]).sum(1) / row_n  # the real elements' mean (the pads' deviations from v: 0)
         offset = v - mean
         d = x - mean[:, None]
         square = d.square()
