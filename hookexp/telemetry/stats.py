@@ -263,7 +263,7 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
         out = ROW_KERNEL(*args)
         if out is not None:
             return out
-        layout.compiled = False  # did not compile: said once, eager from now on
+        layout.compiled = ROW_KERNEL.failed is None  # did not compile: said once, eager from now on (else: no memory)
     return _rows(*args)
 
 
@@ -314,7 +314,8 @@ class _RowKernel:
     """:func:`_rows` under ``torch.compile`` (made at the first call): a log step's rows in a few fused kernels
     instead of ~15 passes over them, with dynamic sizes: one compile per dtype (and with or without 3rd and 4th powers).
     A compile that fails returns None, with one warning naming ``stats.compile``; the rows are then described
-    eagerly, with the same values to float64's rounding."""
+    eagerly, with the same values to float64's rounding. A call that runs out of device memory returns None too, as
+    no failure of the compiler: that call's rows are described eagerly (raising the error where it lasts)."""
 
     def __init__(self) -> None:
         self._fn: Any = None
@@ -328,6 +329,8 @@ class _RowKernel:
             if self._fn is None:
                 self._fn = torch.compile(_rows, fullgraph=True, dynamic=True)  # a compile per dtype, not per size
             out = self._fn(*args, compiled=True)
+        except torch.cuda.OutOfMemoryError:  # the device's memory, not the compiler: these rows eagerly (which
+            return None  # raise it again if it lasts, with more of it to find), the next ones compiled again
         except Exception as e:  # any compiler's failure: the eager rows give the same values
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             log.warning("stats.compile: the statistics' fused kernel did not compile (%s); tensors are described "

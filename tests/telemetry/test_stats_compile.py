@@ -67,6 +67,35 @@ def test_a_compiler_that_fails_leaves_the_eager_rows_with_one_warning(monkeypatc
         assert all(got[k] == pytest.approx(want[k], rel=1e-12, nan_ok=True) for k in want)
 
 
+def test_out_of_memory_in_the_compiled_rows_is_no_compile_failure(monkeypatch, caplog):
+    """The device running out of memory in the compiled call is not the compiler failing: no stats.compile warning,
+    those rows eagerly (which raise it if it lasts), and the next call compiled again."""
+    failures = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+
+    def fake_compile(fn, **kwargs):  # the kernel's call, eager here; the first one runs out of memory
+        def call(*args, **kw):
+            if failures:
+                raise failures.pop()
+            return fn(*args, **kw)
+        return call
+
+    monkeypatch.setattr(stats, "ROW_KERNEL", stats._RowKernel())
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(300), "b": torch.randn(7, 5)}
+    want = read([TensorStats(compile=False).describe(tensors)])
+    describer = TensorStats(compile=True)
+    with caplog.at_level(logging.WARNING, logger="hookexp.stats"):
+        first = read([describer.describe(tensors)])
+        second = read([describer.describe(tensors)])
+    assert [r.getMessage() for r in caplog.records if r.name == "hookexp.stats"] == []
+    assert stats.ROW_KERNEL.failed is None and stats.ROW_KERNEL.calls == 1  # the second call, compiled
+    assert [layout.compiled for layout in describer._layouts.values()] == [True]
+    for got in (first, second):
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-12, nan_ok=True) for k in want)
+
+
 def test_the_default_compiles_on_cuda_only_and_the_setting_is_checked():
     """stats.compile=null: compiled where COMPILED names the device (CUDA), eager on this CPU; a value that is not a
     flag is refused naming the key."""
