@@ -312,7 +312,8 @@ def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight
 
 class _RowKernel:
     """:func:`_rows` under ``torch.compile`` (made at the first call): a log step's rows in a few fused kernels
-    instead of ~15 passes over them, with dynamic sizes: one compile per dtype (and with or without 3rd and 4th powers).
+    instead of ~15 passes over them, with dynamic sizes: a compile per dtype, and per none, one or more rows with 3rd
+    and 4th powers and one or more rows (Dynamo specializes 0 and 1), within Dynamo's recompile_limit.
     A compile that fails returns None, with one warning naming ``stats.compile``; the rows are then described
     eagerly, with the same values to float64's rounding. A call that runs out of device memory returns None too, as
     no failure of the compiler: that call's rows are described eagerly (raising the error where it lasts)."""
