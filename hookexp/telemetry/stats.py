@@ -277,7 +277,7 @@ def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight
     ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``): the mean as the first
     element plus the mean deviation from it (the pads' deviations are exactly 0, so a row of one value has that
     mean and no spread), then the deviations' powers, which the compiler fuses into two reads of ``narrow`` and no
-    copy."""
+    copy; run uncompiled (Dynamo off, or told to run eagerly), the eager rows, which need fewer float64 copies."""
     first = narrow[:, 0]
     wide = row_n.dtype
     v = first.to(wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy (float64: a view); non-finite: unused
@@ -287,7 +287,7 @@ def _rows(narrow: torch.Tensor, row_n: torch.Tensor, p: torch.Tensor, pad_weight
     x = narrow.to(wide)
     absolute = torch.linalg.vector_norm(x, 1, dim=1).sub_(p * v.abs())
     cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
-    if compiled:
+    if compiled and torch.compiler.is_compiling():  # uncompiled (Dynamo off or skipping): the leaner eager rows
         mean = v + (x - v[:, None]).sum(1) / row_n  # the real elements' mean (the pads' deviations from v: 0)
         offset = v - mean
         d = x - mean[:, None]
