@@ -263,7 +263,7 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
         out = ROW_KERNEL(*args)
         if out is not None:
             return out
-        layout.compiled = False  # did not compile: said once, eager from now on
+        layout.compiled = ROW_KERNEL.failed is None  # did not compile: said once, eager from now on (else: no memory)
     return _rows(*args)
 
 
@@ -276,7 +276,10 @@ def _rows(narrow: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.
     conditioned since that element is one of the row's. Only the first ``k`` rows get 3rd and 4th powers. Rows
     with NaN or Inf give non-finite moments; the decoder reads those from min and max. Eager: one widened copy and
     single passes (Welford's ``var_mean``), 53 bytes per float32 element. ``compiled`` (inside ``torch.compile``):
-    the mean, then the deviations' powers, which the compiler fuses into two reads of ``narrow`` and no copy."""
+    the mean as the first element plus the mean deviation from it (the pads' deviations are exactly 0, so a row of
+    one value has that mean and no spread), then the deviations' powers, which the compiler fuses into two reads of
+    ``narrow`` and no copy; run uncompiled (Dynamo off, or told to run eagerly), the eager rows, which need fewer
+    float64 copies."""
     row_n, p, pad_weight = counts
     first = narrow[:, 0]
     wide = row_n.dtype
@@ -287,8 +290,8 @@ def _rows(narrow: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.
     x = narrow.to(wide)
     absolute = torch.linalg.vector_norm(x, 1, dim=1).sub_(p * v.abs())
     cubes, fourths = x.new_zeros(len(x)), x.new_zeros(len(x))
-    if compiled:
-        mean = (x.sum(1) - p * v) / row_n  # the real elements' mean
+    if compiled and torch.compiler.is_compiling():  # uncompiled (Dynamo off or skipping): the leaner eager rows
+        mean = v + (x - v[:, None]).sum(1) / row_n  # the real elements' mean (the pads' deviations from v: 0)
         offset = v - mean
         d = x - mean[:, None]
         square = d.square()
@@ -312,9 +315,11 @@ def _rows(narrow: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.
 
 class _RowKernel:
     """:func:`_rows` under ``torch.compile`` (made at the first call): a log step's rows in a few fused kernels
-    instead of ~15 passes over them, with dynamic sizes: one compile per dtype (and with or without 3rd and 4th powers).
+    instead of ~15 passes over them, with dynamic sizes: a compile per dtype, and per none, one or more rows with 3rd
+    and 4th powers and one or more rows (Dynamo specializes 0 and 1), within Dynamo's recompile_limit.
     A compile that fails returns None, with one warning naming ``stats.compile``; the rows are then described
-    eagerly, with the same values to float64's rounding."""
+    eagerly, with the same values to float64's rounding. A call that runs out of device memory returns None too, as
+    no failure of the compiler: that call's rows are described eagerly (raising the error where it lasts)."""
 
     def __init__(self) -> None:
         self._fn: Any = None
@@ -328,6 +333,8 @@ class _RowKernel:
             if self._fn is None:
                 self._fn = torch.compile(_rows, fullgraph=True, dynamic=True)  # a compile per dtype, not per size
             out = self._fn(*args, compiled=True)
+        except torch.cuda.OutOfMemoryError:  # the device's memory, not the compiler: these rows eagerly (which
+            return None  # raise it again if it lasts, with more of it to find), the next ones compiled again
         except Exception as e:  # any compiler's failure: the eager rows give the same values
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             log.warning("stats.compile: the statistics' fused kernel did not compile (%s); tensors are described "

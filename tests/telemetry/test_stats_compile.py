@@ -67,6 +67,63 @@ def test_a_compiler_that_fails_leaves_the_eager_rows_with_one_warning(monkeypatc
         assert all(got[k] == pytest.approx(want[k], rel=1e-12, nan_ok=True) for k in want)
 
 
+def test_out_of_memory_in_the_compiled_rows_is_no_compile_failure(monkeypatch, caplog):
+    """The device running out of memory in the compiled call is not the compiler failing: no stats.compile warning,
+    those rows eagerly (which raise it if it lasts), and the next call compiled again."""
+    failures = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+
+    def fake_compile(fn, **kwargs):  # the kernel's call, eager here; the first one runs out of memory
+        def call(*args, **kw):
+            if failures:
+                raise failures.pop()
+            return fn(*args, **kw)
+        return call
+
+    monkeypatch.setattr(stats, "ROW_KERNEL", stats._RowKernel())
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(300), "b": torch.randn(7, 5)}
+    want = read([TensorStats(compile=False).describe(tensors)])
+    describer = TensorStats(compile=True)
+    with caplog.at_level(logging.WARNING, logger="hookexp.stats"):
+        first = read([describer.describe(tensors)])
+        second = read([describer.describe(tensors)])
+    assert [r.getMessage() for r in caplog.records if r.name == "hookexp.stats"] == []
+    assert stats.ROW_KERNEL.failed is None and stats.ROW_KERNEL.calls == 1  # the second call, compiled
+    assert [layout.compiled for layout in describer._layouts.values()] == [True]
+    for got in (first, second):
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-12, nan_ok=True) for k in want)
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch >= 2.6")
+def test_the_kernel_run_uncompiled_describes_as_the_eager_rows(monkeypatch):
+    """Dynamo told to run everything eagerly (a user debugging their own compile): the kernel's call gives the
+    eager single passes bit for bit, not the compiled rows' math run uncompiled (a float64 copy of the deviations
+    and one of their squares on top of the widened rows)."""
+    monkeypatch.setattr(stats, "ROW_KERNEL", stats._RowKernel())
+    monkeypatch.setattr(stats, "FUSED", frozenset({"cpu"}))
+    torch.manual_seed(0)
+    tensors = {"act/a": torch.randn(64, 300) * 3 + 1, "grad/b": torch.randn(700, 33)}
+    want = read([TensorStats(compile=False).describe(tensors, higher=["act/a"])])
+    with torch.compiler.set_stance("force_eager"):
+        got = read([TensorStats(compile=True).describe(tensors, higher=["act/a"])])
+    assert stats.ROW_KERNEL.failed is None and stats.ROW_KERNEL.calls == 1
+    assert {k: str(v) for k, v in got.items()} == {k: str(v) for k, v in want.items()}
+
+    graphs = []  # traced by Dynamo, the same call is the compiled rows' math: no var_mean in its graph
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+    narrow, w = torch.randn(5, 16), 16
+    ones = torch.ones(5, dtype=torch.float64)
+    args = (narrow, ones * w, ones * 0, ones * 0, w, 2)
+    traced = torch.compile(stats._rows, backend=backend, fullgraph=True, dynamic=True)(*args, compiled=True)
+    assert len(graphs) == 1 and "var_mean" not in graphs[0] and "sum" in graphs[0]
+    assert torch.allclose(traced, stats._rows(*args), rtol=1e-12)
+
+
 def test_the_default_compiles_on_cuda_only_and_the_setting_is_checked():
     """stats.compile=null: compiled where COMPILED names the device (CUDA), eager on this CPU; a value that is not a
     flag is refused naming the key."""

@@ -159,6 +159,16 @@ def test_a_row_led_by_an_outlier_keeps_every_statistic_exact(path):
     assert_stats(got, tensors)
 
 
+def test_a_float64_tensor_of_one_element_has_its_mean_and_no_spread(path):
+    """Its one row is that element and its 15 copies (the pads): the mean is the element exactly and there is no
+    spread, so std and kurtosis are NaN, as for one float32 element."""
+    tensors = {"one": torch.tensor([0.1], dtype=torch.float64), "pair": torch.tensor([0.1, 0.3], dtype=torch.float64)}
+    got = describe(tensors)
+    assert got["one/mean"] == 0.1 and got["one/norm"] == 0.1
+    assert math.isnan(got["one/std"]) and math.isnan(got["one/kurtosis"]), got
+    assert_stats(got, tensors)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: widened in place, no copy
 def test_nan_and_inf_are_reported_as_torch_reports_them(dtype, path):
     tensors = {"nan": torch.tensor([1.0, NAN]), "inf": torch.tensor([1.0, INF]), "neg_inf": torch.tensor([-INF, 1.0]),
