@@ -118,7 +118,7 @@ def test_the_kernel_run_uncompiled_describes_as_the_eager_rows(monkeypatch):
         return gm.forward
     narrow, w = torch.randn(5, 16), 16
     ones = torch.ones(5, dtype=torch.float64)
-    args = (narrow, ones * w, ones * 0, ones * 0, w, 2)
+    args = (narrow, (ones * w, ones * 0, ones * 0), w, 2)
     traced = torch.compile(stats._rows, backend=backend, fullgraph=True, dynamic=True)(*args, compiled=True)
     assert len(graphs) == 1 and "var_mean" not in graphs[0] and "sum" in graphs[0]
     assert torch.allclose(traced, stats._rows(*args), rtol=1e-12)
