@@ -407,7 +407,7 @@ def main() -> None:
         sys.path.insert(0, os.getcwd())
     if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
         sys.exit(subcommand(sys.argv[1], sys.argv[2:]))
-    if sys.argv[1:] in (["--version"], ["-V"]):  # hookexp's version, not Hydra's (its flag), and without torch
+    if {"--version", "-V"} & set(sys.argv[1:]):  # hookexp's version, not Hydra's (its flag), and without torch
         print(versions())
         sys.exit(0)
     if len(sys.argv) > 1 and not sys.argv[1].startswith(("-", "~")) and "=" not in sys.argv[1]:

@@ -201,7 +201,8 @@ class StatsConfig:
     gns: bool = False
     gns_ema: float = 0.95  # the weight of the past in the moving averages of |G|^2 and tr(Sigma); 0: no smoothing
     # describe a log step's tensors with torch.compile's fused kernels (two or three reads of each element instead
-    # of ~15 passes; a compile per dtype, dynamic sizes); null (auto): on CUDA; true: also on the CPU
+    # of ~15 passes; a compile per dtype, dynamic sizes); null (auto): on CUDA unless repro.deterministic; true: also
+    # on the CPU
     compile: Optional[bool] = None  # noqa: UP045
 
     def __post_init__(self) -> None:

@@ -132,9 +132,12 @@ def derived_from_examples(loaders: Loaders, task: Task) -> dict[str, Callable[[]
         found, why = shape()
         if found is None:
             return None, why
-        if len(found) != 3 or (part == "size" and found[1] != found[2]):
+        last = len(found) == 3 and found[0] == found[1] != found[2]  # [H, W, C] with H = W, as numpy images are
+        if len(found) != 3 or last or (part == "size" and found[1] != found[2]):
+            hint = (" It looks channels-last [size, size, channels]: permute it to [channels, size, size] (torch's "
+                    "layout), or set the model's sizes.") if last else ""
             return None, (f"One training example's input has shape {list(found)}, not a square image "
-                          f"[channels, size, size].")
+                          f"[channels, size, size].{hint}")
         return (found[0], "the first dimension of one training example's [C, H, W] input") if part == "channels" \
             else (found[1], "the height (= width) of one training example's [C, H, W] input")
 

@@ -11,6 +11,7 @@ path: docs/internals.md, "Describing tensors".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import OrderedDict
@@ -173,7 +174,10 @@ class _Layout:
         self.sizes = torch.tensor(sizes, dtype=self.wide, device=device)
         self.count = self.sizes.clamp_min(1)  # what the sums are divided by
         self.rank_seg = tensor.repeat(ranks).to(device)
-        compiled = describer.compile if describer.compile is not None else device.type in COMPILED
+        # auto: compiled on CUDA, but not where algorithms must be deterministic (an inductor that picks among
+        # reduction configs by timing them may sum in another order from one run to the next)
+        compiled = describer.compile if describer.compile is not None else (
+            device.type in COMPILED and not torch.are_deterministic_algorithms_enabled())
         # Welford's partials want float64; compiled, every device's rows take the single-pass math
         self.fused = (device.type in FUSED or compiled) and self.wide == torch.float64
         self.compiled = self.fused and compiled
@@ -316,7 +320,7 @@ def _rows(narrow: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.
 class _RowKernel:
     """:func:`_rows` under ``torch.compile`` (made at the first call): a log step's rows in a few fused kernels
     instead of ~15 passes over them, with dynamic sizes: a compile per dtype, and per none, one or more rows with 3rd
-    and 4th powers and one or more rows (Dynamo specializes 0 and 1), within Dynamo's recompile_limit.
+    and 4th powers and one or more rows (Dynamo specializes 0 and 1), under :func:`_own_limits`.
     A compile that fails returns None, with one warning naming ``stats.compile``; the rows are then described
     eagerly, with the same values to float64's rounding. A call that runs out of device memory returns None too, as
     no failure of the compiler: that call's rows are described eagerly (raising the error where it lasts)."""
@@ -332,7 +336,8 @@ class _RowKernel:
         try:
             if self._fn is None:
                 self._fn = torch.compile(_rows, fullgraph=True, dynamic=True)  # a compile per dtype, not per size
-            out = self._fn(*args, compiled=True)
+            with _own_limits():
+                out = self._fn(*args, compiled=True)
         except torch.cuda.OutOfMemoryError:  # the device's memory, not the compiler: these rows eagerly (which
             return None  # raise it again if it lasts, with more of it to find), the next ones compiled again
         except Exception as e:  # any compiler's failure: the eager rows give the same values
@@ -346,6 +351,21 @@ class _RowKernel:
 
 
 ROW_KERNEL = _RowKernel()
+
+
+def _own_limits() -> contextlib.ExitStack:
+    """The settings the statistics' kernel compiles under, for its calls only: room for all its variants (4
+    dtypes x 0, 1 or more rows with higher powers x 1 or more rows) above Dynamo's recompile limit of 8, which
+    is per function, and compiles in this process (each rank of a DDP job would otherwise start inductor's pool of
+    compile workers at its first log step for these few kernels)."""
+    stack = contextlib.ExitStack()
+    dynamo = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    stack.enter_context(dynamo.patch({limit: max(64, getattr(dynamo, limit))}))
+    import torch._inductor.config as inductor
+
+    stack.enter_context(inductor.patch(compile_threads=1))
+    return stack
 
 
 def _combine(parts: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:

@@ -293,14 +293,14 @@ def test_help_answers_without_importing_torch(workdir):
     assert "hookexp.cli" in imported and "torch" not in imported
 
 
-@pytest.mark.parametrize("flag", ["--version", "-V"])
+@pytest.mark.parametrize("flag", ["--version", "-V", "hooks=clamp_conv --version"])
 def test_version_is_hookexps_and_names_what_a_bug_report_needs(flag, workdir):
     """Hydra's own --version answered "Hydra 1.3.8"; hookexp's names itself, torch and Hydra, without torch."""
     import subprocess
     import sys
     from importlib.metadata import version
 
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hookexp", flag], cwd=workdir,
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hookexp", *flag.split()], cwd=workdir,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.strip()

@@ -522,10 +522,10 @@ def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path:
     assert (built["input_dim"], built["output_dim"]) == (4, 5)
 
 
-def image_pair(size: int = 6, width: int | None = None):
-    """A user's image TensorDataset pair: 3 x size x width inputs, labels 0..4."""
+def image_pair(size: int = 6, width: int | None = None, last: bool = False):
+    """A user's image TensorDataset pair: 3 x size x width inputs (``last``: size x size x 3), labels 0..4."""
     gen = torch.Generator().manual_seed(0)
-    shape = (3, size, width or size)
+    shape = (size, size, 3) if last else (3, size, width or size)
     return (TensorDataset(torch.randn(40, *shape, generator=gen), torch.arange(40) % 5),
             TensorDataset(torch.randn(10, *shape, generator=gen), torch.arange(10) % 5))
 
@@ -560,6 +560,13 @@ def test_the_shipped_cnn_takes_channels_and_image_size_from_a_users_image_pair(t
         "model.image_size: is 'auto', but the data does not say it (the data gives: nothing). One training "
         "example's input has shape [3, 6, 8], not a square image [channels, size, size]. Set it: "
         "model.image_size=<value>.")
+    channels_last = [*overrides, "+data.dataset.last=true"]
+    with pytest.raises(ConfigError) as refused:
+        train(config(*channels_last), tmp_path / "last", channels_last)
+    assert str(refused.value).startswith("model.in_channels: ")
+    assert "One training example's input has shape [6, 6, 3], not a square image [channels, size, size]. It " \
+           "looks channels-last [size, size, channels]: permute it to [channels, size, size] (torch's layout), or " \
+           "set the model's sizes." in str(refused.value)
 
 
 def test_num_labels_auto_is_the_number_of_classes(tmp_path: Path, caplog):

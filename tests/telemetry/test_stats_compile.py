@@ -139,3 +139,60 @@ def test_the_default_compiles_on_cuda_only_and_the_setting_is_checked():
     with pytest.raises(ConfigError) as e:
         compose("stats.compile=sometimes")
     assert str(e.value).startswith("stats.compile: "), str(e.value)
+
+
+def test_every_variant_of_the_kernel_compiles_past_dynamos_default_limit(monkeypatch):
+    """Dtypes x one row or more x none, one or more rows with 3rd and 4th powers: ten variants, over Dynamo's
+    recompile limit of 8 per function, which stopped the kernel at the 9th. All compile (Dynamo's own traces, the
+    eager backend, to keep it quick) and none turns the kernel off; Dynamo's limit is as it was afterwards."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(stats, "ROW_KERNEL", stats._RowKernel())
+    torch._dynamo.reset()
+    counters.clear()
+    limit = torch._dynamo.config.recompile_limit
+    torch.manual_seed(0)
+    layouts = (({"one": torch.randn(10)}, []), ({"one": torch.randn(10)}, ["one"]),
+               ({"one": torch.randn(3, 512), "two": torch.randn(7)}, []),
+               ({"one": torch.randn(7), "two": torch.randn(3, 512)}, ["one"]),
+               ({"one": torch.randn(3, 512), "two": torch.randn(7)}, ["one", "two"]))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for tensors, higher in layouts:
+            tensors = {k: v.to(dtype) for k, v in tensors.items()}
+            want = read([TensorStats(compile=False).describe(tensors, higher=higher)])
+            got = read([TensorStats(compile=True).describe(tensors, higher=higher)])
+            assert stats.ROW_KERNEL.failed is None, (dtype, higher, stats.ROW_KERNEL.failed)
+            assert got.keys() == want.keys()
+            assert all(got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12, nan_ok=True) for k in want)
+    assert stats.ROW_KERNEL.calls == 4 * len(layouts) and counters["stats"]["unique_graphs"] > limit
+    assert torch._dynamo.config.recompile_limit == limit
+
+
+def test_auto_leaves_the_kernel_eager_where_algorithms_must_be_deterministic(monkeypatch):
+    """repro.deterministic=true: the default describes eagerly (an inductor timing reduction configs may pick
+    another summation order in another run); stats.compile=true still compiles. Checked with the CPU counted as
+    a device that compiles by default."""
+    monkeypatch.setattr(stats, "COMPILED", frozenset({"cpu"}))
+    x = {"a": torch.randn(10)}
+
+    def compiled(describer: TensorStats) -> bool:
+        describer.describe(x)
+        return [layout.compiled for layout in describer._layouts.values()] == [True]
+    assert compiled(TensorStats())
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not compiled(TensorStats()) and compiled(TensorStats(compile=True))
+
+
+def test_the_kernel_compiles_in_process_with_room_for_its_variants():
+    """Within the kernel's calls only: inductor compiles in this process (no pool of workers per rank) and
+    Dynamo allows 64 compiles of the function; outside, the user's settings."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    threads, limit = inductor.compile_threads, torch._dynamo.config.recompile_limit
+    with stats._own_limits():
+        assert inductor.compile_threads == 1 and torch._dynamo.config.recompile_limit == max(64, limit)
+    assert (inductor.compile_threads, torch._dynamo.config.recompile_limit) == (threads, limit)
