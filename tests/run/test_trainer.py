@@ -452,18 +452,25 @@ class Stream(torch.utils.data.IterableDataset):
         return iter(self.data)
 
 
+USERS_DATA = ("~data.dataset.val_fraction", "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8")
+
+
+def built_on(run: Path, factory: str, caplog, *overrides: str) -> dict:
+    """Train 2 steps on ``test_trainer.<factory>``'s pair with the build's log captured; the model's config as
+    built (``auto`` filled)."""
+    overrides = (f"data.dataset._target_=test_trainer.{factory}", *USERS_DATA, *overrides)
+    with caplog.at_level("INFO", logger="hookexp.build"):
+        assert train(config(*overrides), run, list(overrides))["status"] == "finished"
+    return json.loads((run / "manifest.json").read_text())["config"]["model"]
+
+
 def test_num_classes_auto_is_read_from_a_map_style_sets_labels_and_refused_for_a_stream(tmp_path: Path, caplog):
     """Max label + 1 over training and validation, said in the log; an iterable set cannot say it."""
-    overrides = ["model._target_=test_trainer.Classifier", "model.num_classes=auto",
-                 "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
-                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
-    with caplog.at_level("INFO", logger="hookexp.build"):
-        summary = train(config(*overrides), tmp_path / "map", overrides)
-    assert summary["status"] == "finished"
+    mine = ("model._target_=test_trainer.Classifier", "model.num_classes=auto")
+    built = built_on(tmp_path / "map", "tensor_pair", caplog, *mine)
     assert "model.num_classes=auto: 5, the largest label of the training and validation sets + 1" in caplog.text
-    manifest = json.loads((tmp_path / "map" / "manifest.json").read_text())
-    assert manifest["config"]["model"] == {"_target_": "test_trainer.Classifier", "num_classes": 5}
-    streamed = [*overrides, "+data.dataset.iterable=true"]
+    assert built == {"_target_": "test_trainer.Classifier", "num_classes": 5}
+    streamed = ["data.dataset._target_=test_trainer.tensor_pair", *USERS_DATA, *mine, "+data.dataset.iterable=true"]
     with pytest.raises(ConfigError) as refused:
         train(config(*streamed), tmp_path / "stream", streamed)
     assert str(refused.value) == (
@@ -511,14 +518,9 @@ def test_a_users_model_takes_a_spec_of_every_kind_and_trains_as_without_them(tmp
 def test_the_shipped_mlp_takes_its_auto_sizes_from_a_users_tensor_pair(tmp_path: Path, caplog):
     """model=mlp (input_dim, output_dim: auto): one example's input gives input_dim, the labels
     output_dim, said in the log; the built model is the one those sizes make."""
-    overrides = ["model=mlp", "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
-                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
-    with caplog.at_level("INFO", logger="hookexp.build"):
-        summary = train(config(*overrides), tmp_path / "mlp", overrides)
-    assert summary["status"] == "finished"
+    built = built_on(tmp_path / "mlp", "tensor_pair", caplog, "model=mlp")
     assert "model.input_dim=auto: 4, the number of elements of one training example's input" in caplog.text
     assert "model.output_dim=auto: 5, the largest label of the training and validation sets + 1" in caplog.text
-    built = json.loads((tmp_path / "mlp" / "manifest.json").read_text())["config"]["model"]
     assert (built["input_dim"], built["output_dim"]) == (4, 5)
 
 
@@ -544,15 +546,11 @@ class LabelHead(torch.nn.Module):
 def test_the_shipped_cnn_takes_channels_and_image_size_from_a_users_image_pair(tmp_path: Path, caplog):
     """model=small_cnn (in_channels, image_size, num_classes: auto) on [3, 6, 6] images: the sizes come from one
     example, said in the log; a non-square image cannot say its image_size, and the error says what it saw."""
-    overrides = ["data.dataset._target_=test_trainer.image_pair", "~data.dataset.val_fraction",
-                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
-    with caplog.at_level("INFO", logger="hookexp.build"):
-        summary = train(config(*overrides), tmp_path / "cnn", overrides)
-    assert summary["status"] == "finished"
+    built = built_on(tmp_path / "cnn", "image_pair", caplog)
     assert "model.in_channels=auto: 3, the first dimension of one training example's [C, H, W] input" in caplog.text
     assert "model.image_size=auto: 6, the height (= width) of one training example's [C, H, W] input" in caplog.text
-    built = json.loads((tmp_path / "cnn" / "manifest.json").read_text())["config"]["model"]
     assert (built["in_channels"], built["image_size"], built["num_classes"]) == (3, 6, 5)
+    overrides = ["data.dataset._target_=test_trainer.image_pair", *USERS_DATA]
     oblong = [*overrides, "+data.dataset.width=8"]
     with pytest.raises(ConfigError) as refused:
         train(config(*oblong), tmp_path / "oblong", oblong)
@@ -571,11 +569,9 @@ def test_the_shipped_cnn_takes_channels_and_image_size_from_a_users_image_pair(t
 
 def test_num_labels_auto_is_the_number_of_classes(tmp_path: Path, caplog):
     """A HF-style model's num_labels: auto takes what num_classes would (the labels' largest + 1)."""
-    overrides = ["model._target_=test_trainer.LabelHead", "+model.num_labels=auto",
-                 "data.dataset._target_=test_trainer.tensor_pair", "~data.dataset.val_fraction",
-                 "~data.dataset.split_seed", "trainer.max_steps=2", "data.batch_size=8"]
-    with caplog.at_level("INFO", logger="hookexp.build"):
-        assert train(config(*overrides), tmp_path / "labels", overrides)["status"] == "finished"
+    built = built_on(tmp_path / "labels", "tensor_pair", caplog, "model._target_=test_trainer.LabelHead",
+                     "+model.num_labels=auto")
+    assert built["num_labels"] == 5
     assert "model.num_labels=auto: 5, the largest label of the training and validation sets + 1" in caplog.text
 
 
