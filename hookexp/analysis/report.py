@@ -525,11 +525,15 @@ def main(argv: list[str] | None = None) -> None:
                      f"--max-slope {args.max_slope:g}{more}")
         return
     try:
-        markdown, _, _ = report(args.dirs, args.out, split(args.metrics), split(args.curves), args.reach, args.logx)
+        markdown, groups, left_out = report(args.dirs, args.out, split(args.metrics), split(args.curves), args.reach,
+                                            args.logx)
     except ConfigError as e:
         parser.error(str(e))
     print(markdown)
     print(f"wrote {(args.out or args.dirs[0]) / 'report.md'} and report.png", file=sys.stderr)
+    if not groups:  # a script running a sweep and its report learns that nothing finished
+        sys.exit(f"hookexp report: no job finished ({many(len(left_out), 'job')} failed or unfinished, listed in "
+                 "report.md with their errors): nothing to compare.")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,21 @@ def test_a_torn_last_line_is_skipped_and_a_killed_job_listed(tmp_path):
            "trainer/step 20)" in markdown
 
 
+def test_a_sweep_where_no_job_finished_is_reported_and_exits_1(tmp_path, capsys):
+    """Every job killed before its end: the report still lists them, and the exit status tells a script that
+    nothing finished (it was 0, with an empty table)."""
+    sweep = tmp_path / "sweep"
+    rows = [{"trainer/step": s, "val/acc": 0.1} for s in STEPS[:3]]
+    for i in range(2):
+        write_job(sweep / str(i), ["hooks=ema", f"seed={i}"], rows, status=None)
+    with pytest.raises(SystemExit) as e:
+        main([str(sweep)])
+    assert e.value.code == ("hookexp report: no job finished (2 jobs failed or unfinished, listed in report.md with "
+                            "their errors): nothing to compare.")
+    assert "- `0` (seed 0): no summary.json: the job did not finish" in (sweep / "report.md").read_text()
+    assert "0 finished jobs in 0 groups" in capsys.readouterr().out
+
+
 def run_report(args: list[str], cwd: Path, command: tuple[str, ...] = ("hookexp", "report")
                ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *command, *args], cwd=cwd, capture_output=True, text=True,
