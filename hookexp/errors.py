@@ -23,6 +23,32 @@ def did_you_mean(word: str, candidates: Iterable[str], n: int = 3) -> str:
     return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
 
 
+# what a value of plain number or flag types must be, in words
+_KINDS = {frozenset({bool}): "true or false", frozenset({int}): "a whole number", frozenset({float}): "a number",
+          frozenset({int, float}): "a number"}
+
+
+def kind_words(allowed: Iterable[type]) -> str | None:
+    """``allowed`` plain number or flag types in words (``a whole number``); None for any other types."""
+    return _KINDS.get(frozenset(allowed))
+
+
+def unfit(allowed: Iterable[type], value: object) -> str | None:
+    """What ``value`` should be (:func:`kind_words`) when it is none of ``allowed``, plain number or flag types;
+    None when it fits, is None, or ``allowed`` is anything else (nothing to check against). A bool is no number."""
+    plain = frozenset(allowed)
+    words = kind_words(plain)
+    if words is None or value is None:
+        return None
+    if plain == {bool}:
+        fits = isinstance(value, bool)
+    elif isinstance(value, bool):
+        fits = False
+    else:
+        fits = isinstance(value, int if plain == {int} else (int, float))
+    return None if fits else words
+
+
 def config_key(spec: str | None, field: str | None = None, root: str = "hooks") -> str:
     """The dotted config key a message is about, e.g. ``hooks.clamp_conv.target``."""
     parts = [root] + ([spec] if spec else []) + ([field] if field else [])

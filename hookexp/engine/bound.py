@@ -16,7 +16,7 @@ from typing import Any
 
 from hookexp.engine.context import HookContext
 from hookexp.engine.transforms import TRANSFORMS, BatchedFn, TransformFn
-from hookexp.errors import HookexpError, SpecError, TransformArgsError, did_you_mean
+from hookexp.errors import HookexpError, SpecError, TransformArgsError, did_you_mean, kind_words, unfit
 
 # ----------------------------------------------------------------------------------------------------
 # Binding a transform to a spec: arguments checked once, before any hook fires.
@@ -46,17 +46,21 @@ class Transform:
         return f"Transform({self.name})"
 
 
+class NotImportable(ImportError):
+    """What :func:`import_object` raises: the path names nothing importable; the message says which part."""
+
+
 def import_object(path: str) -> Any:
     """The object a dotted path names (``torch.optim.SGD``, ``my_pkg.mod.fn``; submodules are imported on the way),
-    as Hydra finds a ``_target_`` but without its log line. An :class:`ImportError` says which part is missing
+    as Hydra finds a ``_target_`` but without its log line. A :class:`NotImportable` says which part is missing
     (``module 'torch.optim' has no attribute 'SDG'. Did you mean 'SGD'?``) or what importing a module raised;
     hookexp's own errors (a missing extra) pass unchanged."""
     parts = path.split(".")
     if not all(part.isidentifier() for part in parts):
-        raise ImportError(f"{path!r} is not a dotted path (pkg.module.name).")
+        raise NotImportable(f"{path!r} is not a dotted path (pkg.module.name).")
     obj = _import_module(parts[0])
     if obj is None:
-        raise ImportError(f"no module named {parts[0]!r}.")
+        raise NotImportable(f"no module named {parts[0]!r}.")
     for i, part in enumerate(parts[1:], 1):
         try:
             obj = getattr(obj, part)
@@ -67,7 +71,7 @@ def import_object(path: str) -> Any:
         if module is None:
             what = "module" if inspect.ismodule(obj) else type(obj).__name__
             public = [n for n in dir(obj) if not n.startswith("_")]
-            raise ImportError(f"{what} {'.'.join(parts[:i])!r} has no attribute {part!r}."
+            raise NotImportable(f"{what} {'.'.join(parts[:i])!r} has no attribute {part!r}."
                               f"{did_you_mean(part, public)}")
         obj = module
     return obj
@@ -86,16 +90,14 @@ def _import_module(name: str) -> Any:
         raise
     except Exception as e:  # whatever the module's own code raised
         cause = e
-    raise ImportError(f"importing {name!r} raised {type(cause).__name__}: "
+    raise NotImportable(f"importing {name!r} raised {type(cause).__name__}: "
                       f"{str(cause).splitlines()[0].rstrip('.') if str(cause) else '(no message)'}.") from cause
 
 
 def _locate(path: str, spec: str) -> Callable[..., Any]:
     try:
         obj = import_object(path)
-    except ImportError as e:
-        if isinstance(e, HookexpError):
-            raise
+    except NotImportable as e:
         raise SpecError(
             f"cannot import the user transform {path!r}: {e} Give the full dotted path of a function importable "
             "from the run's Python path, e.g. my_pkg.transforms.my_fn.",
@@ -188,31 +190,20 @@ def _check_args(fn: TransformFn, args: dict[str, Any], name: str, spec: str, ski
                                      spec=spec, field=f"args.{user.get(key, key)}")
 
 
-# what a hint of plain types asks for, in words
-_HINT_WORDS = ((frozenset({bool}), "true or false"), (frozenset({int}), "a whole number"),
-               (frozenset({float}), "a number"), (frozenset({int, float}), "a number"))
-
-
 def _wrong_type(fn: TransformFn, key: str, value: Any, default: Any) -> str | None:
     """What an argument its signature types as a plain number or flag (``min: float | None``, ``aux: bool``) must
-    be, when ``value`` is not that: ``args.min=abc`` or ``args.straight_through=no`` from the command line is an
-    error here, not a TypeError inside the first hook call or a string taken as true. None is allowed where the
-    hint or the default allows it."""
+    be, when ``value`` is not that (:func:`~hookexp.errors.unfit`): ``args.min=abc`` or ``args.straight_through=no``
+    from the command line is an error here, not a TypeError inside the first hook call or a string taken as true.
+    None is allowed where the hint or the default allows it."""
     try:
         hint = typing.get_type_hints(fn).get(key)
     except Exception:  # annotations a user wrote that do not evaluate: nothing to check against
         return None
     allowed = set(typing.get_args(hint)) or {hint}
-    plain = frozenset(allowed - {type(None)})
-    words = next((w for types, w in _HINT_WORDS if plain == types), None)
-    if words is None:
-        return None
-    if value is None:
-        return None if type(None) in allowed or default is None else words
-    if bool in plain:
-        return None if isinstance(value, bool) else words
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return None if number and (isinstance(value, int) or int not in plain or float in plain) else words
+    plain = allowed - {type(None)}
+    if value is None and type(None) not in allowed and default is not None:
+        return kind_words(plain)
+    return unfit(plain, value)
 
 
 def _bind_callable(fn: Callable[..., Any], args: dict[str, Any], name: str, spec: str, **extra: Any) -> BoundTransform:

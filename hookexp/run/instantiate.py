@@ -13,8 +13,8 @@ from typing import Any
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hookexp.engine.bound import import_object
-from hookexp.errors import ConfigError, HookexpError, did_you_mean
+from hookexp.engine.bound import NotImportable, import_object
+from hookexp.errors import ConfigError, did_you_mean, unfit
 
 log = logging.getLogger("hookexp.build")
 
@@ -30,9 +30,7 @@ def target_of(node: Mapping[str, Any], key: str) -> Callable[..., Any]:
                           f"{key}._target_=my_pkg.MyThing.", key=key)
     try:
         return import_object(path)
-    except ImportError as e:
-        if isinstance(e, HookexpError):
-            raise
+    except NotImportable as e:
         raise ConfigError(f"cannot import {path!r}: {e} Give the full dotted path of something importable; your "
                           "own modules are found from the current directory or PYTHONPATH.", key=f"{key}._target_"
                           ) from None
@@ -61,11 +59,10 @@ def check_arguments(fn: Callable[..., Any], args: Mapping[str, Any], key: str, g
                 raise ConfigError(f"{_name(fn)} has no parameter {name!r}.{did_you_mean(name, names)} Its parameters: "
                                   f"{', '.join(names) or 'none'}.", key=f"{key}.{name}")
             continue
-        default = params[name].default
-        if _is_number(default) and not _is_number(value) and value is not None:
-            raise ConfigError(f"expected a number, got {value!r}.", key=f"{key}.{name}")
-        if isinstance(default, bool) and not isinstance(value, bool) and value is not None:
-            raise ConfigError(f"expected true or false, got {value!r}.", key=f"{key}.{name}")
+        default = params[name].default  # a number (int or float alike: lr=0 takes 0.1) or a flag
+        wanted = unfit({int, float} if _is_number(default) else {type(default)}, value)
+        if wanted:
+            raise ConfigError(f"expected {wanted}, got {value!r}.", key=f"{key}.{name}")
 
 
 def _name(fn: Callable[..., Any]) -> str:

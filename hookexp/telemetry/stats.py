@@ -263,12 +263,8 @@ def _row_partials(narrow: torch.Tensor, layout: _Layout) -> torch.Tensor:
         flat = narrow.view(-1)
         flat.index_put_((layout.pad_at,), flat.index_select(0, layout.pad_src))
     args = (narrow, (layout.row_n, layout.row_pad, layout.pad_weight), layout.width, layout.higher_rows)
-    if layout.compiled:
-        out = ROW_KERNEL(*args)
-        if out is not None:
-            return out
-        layout.compiled = ROW_KERNEL.failed is None  # did not compile: said once, eager from now on (else: no memory)
-    return _rows(*args)
+    out = ROW_KERNEL(*args) if layout.compiled else None  # None: did not compile (said once), or no memory
+    return out if out is not None else _rows(*args)
 
 
 def _rows(narrow: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: int, k: int,

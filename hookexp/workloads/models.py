@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookexp.errors import ConfigError, did_you_mean
+from hookexp.errors import ConfigError, did_you_mean, unfit
 
 PARAMETRIZATIONS = ("sp", "mup")
 
@@ -428,7 +428,8 @@ def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
         if value == "auto":
             raise ConfigError("is auto, which a hookexp run fills from the data; in Python give a number.",
                               key=f"model.config.{name}")
-        wanted = _field_type(defaults.get(name), value)
+        default = defaults.get(name)  # what a field whose default is a number or a flag takes
+        wanted = unfit({type(default)}, value) if default is not None else None
         if wanted:
             raise ConfigError(f"{cls.__name__} takes {wanted} for {name}, got {value!r}.", key=f"model.config.{name}")
     try:
@@ -436,21 +437,6 @@ def _hf_config(transformers: Any, config: dict[str, Any]) -> Any:
     except Exception as e:  # transformers' own validation of a value: its whole message, not its first line
         raise ConfigError(f"{cls.__name__} refused the config: {type(e).__name__}: {' '.join(str(e).split())}",
                           key="model.config") from None
-
-
-def _field_type(default: Any, value: Any) -> str | None:
-    """What a transformers config field whose default is a number or a flag takes, when ``value`` is not that
-    (``n_layer=abc``, ``n_embd=64.5``); None when it fits or the default says nothing (None, a string)."""
-    if value is None or default is None:
-        return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(default, bool):
-        return None if isinstance(value, bool) else "true or false"
-    if isinstance(default, int):
-        return None if number and isinstance(value, int) else "a whole number"
-    if isinstance(default, float):
-        return None if number else "a number"
-    return None
 
 
 def hf(config: dict[str, Any] | None = None, pretrained: str | None = None, kind: str = "causal_lm") -> nn.Module:

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from hookexp.config import LoggerConfig, typed
-from hookexp.engine.bound import import_object
-from hookexp.errors import ConfigError, MissingExtraError
+from hookexp.engine.bound import NotImportable, import_object
+from hookexp.errors import ConfigError
 from hookexp.run.sinks.base import RunInfo, Sink
 from hookexp.run.sinks.wandb import WandbSink
 
@@ -24,9 +24,7 @@ def backend_class(cfg: Mapping[str, Any]) -> type | None:
            "hookexp.run.sinks.Sink (local files are always written).")
     try:
         found = import_object(str(target))
-    except ImportError as e:
-        if isinstance(e, MissingExtraError):
-            raise
+    except NotImportable as e:
         raise ConfigError(f"cannot import the logger backend {target!r}: {e} {fix}", key="logger._target_") from None
     if not isinstance(found, type):
         raise ConfigError(f"{target!r} is a {type(found).__name__}, not a class. {fix}", key="logger._target_")
